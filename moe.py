@@ -1,0 +1,455 @@
+"""
+The backbone: a small WeLM-style Mixture-of-Experts transformer with KV-Mirror.
+
+Follows the WeLM blog post "Building effective sparse MoE models with moderate resources"
+(../shared/papers/001_*) and the details in ../shared/notes/moe.md:
+
+- attention: grouped-query attention with more query heads than usual, a head-wise sigmoid
+  output gate computed from the attention input (Qiu et al. 2025), KNorm (RMSNorm over
+  head_dim on keys only) and partial RoPE (a fraction of each head's dims is rotated);
+- FFN: sigmoid router, top-k chosen by score + bias, outputs weighted by the plain scores,
+  one always-on shared expert, loss-free balancing of the bias (DeepSeek-V3 §2.1.2);
+  `n_experts=0` gives a dense SwiGLU MLP instead;
+- KV-Mirror (U-shape): the last third of the layers compute their keys and values from the
+  normalized attention input saved by the first third, with their own projections.
+
+hd.py and tah.py reuse `Block`, `attend` and `Transformer.run_blocks` as they are: every
+attention call takes "causal", a dense boolean mask built from a `mask_mod`, or (CUDA) a
+flex_attention BlockMask.
+
+Run `python moe.py` for a small demo: forward, loss, a few sampled tokens, expert loads.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class ModelConfig:
+    """Every field of the backbone.
+
+    vocab_size:     number of token ids.
+    block_size:     the longest sequence `forward` and `generate` accept (in positions).
+    n_layer:        number of transformer blocks.
+    n_embd:         width of the residual stream.
+    n_head:         query heads. WeLM uses 3x the usual count (n_head * head_dim = 3 * n_embd).
+    n_kv_head:      key/value heads (grouped-query attention); must divide n_head.
+    head_dim:       width of one head; independent of n_embd, as in WeLM.
+    rope_fraction:  fraction of each head's dims rotated by RoPE, in (0, 1]; the rest carry no
+                    position (WeLM: 64 of 256 = 0.25).
+    rope_base:      RoPE frequency base.
+    n_experts:      routed experts per FFN; 0 replaces the MoE with a dense SwiGLU MLP.
+    top_k:          routed experts chosen per token (1 <= top_k <= n_experts).
+    expert_hidden:  hidden width of each routed expert and of the shared expert.
+    ffn_hidden:     hidden width of the dense SwiGLU MLP (used only when n_experts == 0).
+    balance_gamma:  step size of the loss-free balancing update of the router bias.
+    moe_dispatch:   "auto" (grouped matmul where torch offers one for these inputs, else a
+                    loop over experts), "grouped_mm" or "loop".
+    kv_mirror:      U-shaped KV-Mirror: layer n_layer-1-j takes K/V inputs from layer j for
+                    j < n_layer // 3. Needs n_layer >= 3.
+    norm_eps:       epsilon of every RMSNorm.
+    """
+
+    vocab_size: int = 256
+    block_size: int = 256
+    n_layer: int = 6
+    n_embd: int = 64
+    n_head: int = 12
+    n_kv_head: int = 2
+    head_dim: int = 16
+    rope_fraction: float = 0.25
+    rope_base: float = 10000.0
+    n_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 64
+    ffn_hidden: int = 256
+    balance_gamma: float = 1e-3
+    moe_dispatch: str = "auto"
+    kv_mirror: bool = True
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_embd", "n_head", "n_kv_head",
+                     "head_dim", "expert_hidden", "ffn_hidden"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
+        if not 0.0 < self.rope_fraction <= 1.0:
+            raise ValueError(f"rope_fraction must be in (0, 1], got {self.rope_fraction}")
+        if self.rope_dim < 2 or self.rope_dim % 2:
+            raise ValueError(f"rope_fraction * head_dim must round to an even number >= 2, got "
+                             f"{self.rope_fraction} * {self.head_dim} -> {self.rope_dim}")
+        if self.rope_base <= 1.0:
+            raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
+        if not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"n_experts must be an int >= 0, got {self.n_experts!r}")
+        if self.n_experts > 0 and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
+        if self.balance_gamma < 0:
+            raise ValueError(f"balance_gamma must be >= 0, got {self.balance_gamma}")
+        if self.moe_dispatch not in ("auto", "grouped_mm", "loop"):
+            raise ValueError(f"moe_dispatch must be 'auto', 'grouped_mm' or 'loop', got {self.moe_dispatch!r}")
+        if self.kv_mirror and self.n_layer < 3:
+            raise ValueError(f"kv_mirror needs n_layer >= 3 (a first and a last third), got n_layer={self.n_layer}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+
+    @property
+    def rope_dim(self) -> int:
+        return int(round(self.head_dim * self.rope_fraction))
+
+    def mirror_source(self, layer: int):
+        """KV-Mirror pairing (U-shape): consumer n_layer-1-j reads source j, for j < n_layer // 3."""
+        j = self.n_layer - 1 - layer
+        return j if self.kv_mirror and j < self.n_layer // 3 else None
+
+
+# -----------------------------------------------------------------------------
+# Masks and the one attention call
+
+
+def causal(b, h, q_idx, kv_idx):
+    """The plain causal mask as a flex-style mask_mod: a query sees itself and earlier keys."""
+    return kv_idx <= q_idx
+
+
+def dense_mask(mask_mod, q_idx, kv_idx):
+    """The reference form of any mask_mod: a (Tq, Tk) boolean tensor, True = may attend."""
+    return mask_mod(0, 0, q_idx[:, None], kv_idx[None, :])
+
+
+_flex_compiled = None
+
+
+def attend(q, k, v, mask):
+    """Scaled dot-product attention, q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd) -> (B, H, Tq, hd).
+
+    mask: "causal" (Tq == Tk, SDPA's own causal kernel: FlashAttention on CUDA), a boolean
+    tensor broadcastable to (B, H, Tq, Tk), or a flex_attention BlockMask. Rows that see no
+    key give 0 on every path.
+    """
+    gqa = q.size(1) != k.size(1)
+    if isinstance(mask, BlockMask):
+        global _flex_compiled
+        if q.is_cuda:  # flex is fused only when compiled; on CPU the eager form is the reference
+            _flex_compiled = _flex_compiled or torch.compile(flex_attention, dynamic=False)
+            return _flex_compiled(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    if isinstance(mask, str):
+        if mask != "causal" or q.size(2) != k.size(2):
+            raise ValueError(f"mask 'causal' needs Tq == Tk, got {mask!r} with {q.size(2)} vs {k.size(2)}")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+# -----------------------------------------------------------------------------
+# Attention: GQA, partial RoPE, KNorm, head-wise gate, KV-Mirror input
+
+
+def apply_rope(x, pos, rope_dim, base):
+    """Rotate the first rope_dim dims of x (..., T, hd) by position; pass the rest through.
+
+    pos: (T,) or (B, T) integer positions. NeoX layout: dim i pairs with dim i + rope_dim/2.
+    (WeLM rotates the trailing dims; that differs only by a fixed permutation of head dims.)
+    """
+    half = rope_dim // 2
+    inv_freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    ang = pos.to(torch.float32)[..., None] * inv_freq  # (T, half) or (B, T, half)
+    if ang.dim() == 3:
+        ang = ang[:, None]  # (B, 1, T, half): broadcast over heads
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2, rest = x[..., :half].float(), x[..., half:rope_dim].float(), x[..., rope_dim:]
+    rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+    return torch.cat([rot, rest], dim=-1)
+
+
+class KVCache:
+    """Keys and values of one layer for cached decoding; grows by concatenation."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def __len__(self):
+        return 0 if self.k is None else self.k.size(2)
+
+    def update(self, k, v):
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * hd, bias=False)
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.n_head, bias=False)  # WeLM: one gate per head
+        self.o_proj = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps)  # KNorm: keys only, shared over heads
+
+    def project_kv(self, u, pos):
+        """K, V (B, Hkv, T, hd) of normalized inputs u (B, T, C): projection -> KNorm -> RoPE."""
+        B, T, _ = u.shape
+        k = self.k_proj(u).view(B, T, self.cfg.n_kv_head, -1).transpose(1, 2)
+        v = self.v_proj(u).view(B, T, self.cfg.n_kv_head, -1).transpose(1, 2)
+        k = apply_rope(self.k_norm(k), pos, self.cfg.rope_dim, self.cfg.rope_base)
+        return k, v
+
+    def forward(self, u, pos, mask, kv_u=None, kv_pos=None, cache=None):
+        """u: normalized input (B, T, C) at positions pos; returns (B, T, C).
+
+        kv_u/kv_pos: where keys and values come from instead of u/pos: the source layer's
+        normalized input under KV-Mirror (and, in hd.py's final-stream skip, more rows than u).
+        cache: a KVCache; the new K/V are appended and attention reads all of it.
+        """
+        B, T, _ = u.shape
+        q = self.q_proj(u).view(B, T, self.cfg.n_head, -1).transpose(1, 2)  # (B, H, T, hd)
+        q = apply_rope(q, pos, self.cfg.rope_dim, self.cfg.rope_base)
+        k, v = self.project_kv(u if kv_u is None else kv_u, pos if kv_pos is None else kv_pos)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        y = attend(q, k, v, mask)  # (B, H, T, hd)
+        y = y * torch.sigmoid(self.gate_proj(u)).transpose(1, 2)[..., None]  # head-wise gate
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+# -----------------------------------------------------------------------------
+# Feed-forward: dense SwiGLU, and the MoE with loss-free balancing
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, n_embd, hidden):
+        super().__init__()
+        self.gate = nn.Linear(n_embd, hidden, bias=False)
+        self.up = nn.Linear(n_embd, hidden, bias=False)
+        self.down = nn.Linear(hidden, n_embd, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MoE(nn.Module):
+    """Sigmoid-routed experts plus one shared expert (DeepSeek-V3 / WeLM).
+
+    y(x) = shared(x) + sum_{e in TopK(s + b)} s_e * expert_e(x),   s = sigmoid(W_r x)
+
+    The bias b only decides *which* experts run; the weights are the plain scores s, not
+    renormalized (WeLM). b is a buffer moved by `update_bias`, never by the optimizer.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        E, C, I = cfg.n_experts, cfg.n_embd, cfg.expert_hidden
+        self.router = nn.Linear(C, E, bias=False)
+        self.w_gate_up = nn.Parameter(torch.empty(E, C, 2 * I))  # routed experts, stacked
+        self.w_down = nn.Parameter(torch.empty(E, I, C))
+        self.shared = SwiGLU(C, I)
+        self.register_buffer("bias", torch.zeros(E))
+        self.register_buffer("step_load", torch.zeros(E))  # selections since the last update
+        self.last_load = torch.zeros(E)  # selections in the latest forward (for statistics)
+
+    def route(self, x):
+        """x (N, C) -> expert ids (N, k) chosen by score + bias, and their weights = scores."""
+        with torch.autocast(x.device.type, enabled=False):  # routing in fp32
+            scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))  # (N, E)
+        idx = torch.topk(scores + self.bias, self.cfg.top_k, dim=-1).indices
+        return idx, scores.gather(-1, idx)
+
+    def experts(self, xs, counts):
+        """Run expert e on its slice of xs (rows sorted by expert, counts rows each)."""
+        dev = xs.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else xs.dtype
+        mode = self.cfg.moe_dispatch
+        if mode == "auto":  # grouped_mm: any float on CPU (16-byte aligned rows), bf16 on CUDA
+            aligned = all(n * dt.itemsize % 16 == 0 for n in (self.cfg.n_embd, self.cfg.expert_hidden))
+            mode = "grouped_mm" if aligned and (dev == "cpu" or dt == torch.bfloat16) else "loop"
+        if mode == "grouped_mm":
+            offs = counts.cumsum(0).to(torch.int32)
+            h = F.grouped_mm(xs.to(dt), self.w_gate_up.to(dt), offs=offs)
+            g, u = h.chunk(2, dim=-1)
+            return F.grouped_mm((F.silu(g) * u).contiguous(), self.w_down.to(dt), offs=offs)
+        outs = []
+        for e, xe in enumerate(xs.split(counts.tolist())):
+            g, u = (xe @ self.w_gate_up[e]).chunk(2, dim=-1)
+            outs.append((F.silu(g) * u) @ self.w_down[e])
+        return torch.cat(outs)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, C)
+        idx, weights = self.route(x)  # (N, k) each
+        counts = torch.bincount(idx.flatten(), minlength=self.cfg.n_experts)
+        self.last_load = counts.detach().float()
+        if self.training and torch.is_grad_enabled():  # evaluation and sampling don't count
+            self.step_load += self.last_load
+        # dispatch: sort the N*k (token, expert) pairs by expert, run each expert on its run
+        order = idx.flatten().argsort(stable=True)
+        token = order // self.cfg.top_k
+        y = self.experts(x[token], counts) * weights.flatten()[order, None]
+        out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        return (out + self.shared(x)).view(shape)
+
+    @torch.no_grad()
+    def update_bias(self, gamma):
+        """Loss-free balancing (DeepSeek-V3 §2.1.2): b += gamma * sign(mean_load - load).
+
+        load counts selections over the whole step (every micro-step since the last call),
+        summed over DDP ranks so every rank applies the same update.
+        """
+        load = self.step_load.clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(load)
+        self.bias += gamma * torch.sign(load.mean() - load)
+        self.step_load.zero_()
+        return load
+
+
+# -----------------------------------------------------------------------------
+# Block and model
+
+
+class Block(nn.Module):
+    """Pre-norm block. Returns the new residual x and u, its normalized attention input, which
+    a KV-Mirror source saves for its consumer."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.mirror_source = cfg.mirror_source(layer)  # None, or the layer whose u feeds K/V
+        self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.ffn = MoE(cfg) if cfg.n_experts > 0 else SwiGLU(cfg.n_embd, cfg.ffn_hidden)
+
+    def forward(self, x, pos, mask, kv_u=None, kv_pos=None, cache=None):
+        u = self.attn_norm(x)
+        x = x + self.attn(u, pos, mask, kv_u, kv_pos, cache)
+        x = x + self.ffn(self.ffn_norm(x))
+        return x, u
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.norm_f = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.sources = {b.mirror_source for b in self.blocks} - {None}
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual-branch outputs down
+            if name.endswith(("o_proj.weight", "down.weight", "w_down")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, MoE):
+            nn.init.normal_(module.w_gate_up, std=0.02)
+
+    def run_blocks(self, x, pos, masks, caches=None):
+        """All blocks over residual x (B, T, C) at positions pos; masks[i] is layer i's mask.
+
+        KV-Mirror: a source layer's u is kept (not detached: gradients reach the source) and a
+        consumer computes its K/V from it.
+        """
+        saved = {}
+        for i, block in enumerate(self.blocks):
+            kv_u = saved.pop(block.mirror_source) if block.mirror_source is not None else None
+            x, u = block(x, pos, masks[i], kv_u=kv_u, cache=None if caches is None else caches[i])
+            if i in self.sources:
+                saved[i] = u
+        return x
+
+    def forward(self, idx, targets=None, caches=None):
+        """idx (B, T) -> (logits (B, T, V), loss or None). With caches, idx continues them."""
+        B, T = idx.shape
+        start = 0 if caches is None else len(caches[0])
+        if start + T > self.cfg.block_size:
+            raise ValueError(f"sequence of {start + T} positions exceeds block_size={self.cfg.block_size}")
+        pos = torch.arange(start, start + T, device=idx.device)
+        mask = "causal" if start == 0 else dense_mask(causal, pos, torch.arange(start + T, device=idx.device))
+        x = self.run_blocks(self.wte(idx), pos, [mask] * self.cfg.n_layer, caches)
+        logits = self.lm_head(self.norm_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def moe_layers(self):
+        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
+
+    def expert_load(self):
+        """(n_moe_layers, n_experts): how often each expert was chosen in the latest forward."""
+        layers = self.moe_layers()
+        return torch.stack([m.last_load for m in layers]) if layers else torch.zeros(0, 0)
+
+    def update_router_bias(self, gamma=None):
+        """Call after each optimizer step; returns the step's loads (n_moe_layers, n_experts)."""
+        gamma = self.cfg.balance_gamma if gamma is None else gamma
+        loads = [m.update_bias(gamma) for m in self.moe_layers()]
+        return torch.stack(loads) if loads else torch.zeros(0, 0)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Sample max_new_tokens after idx (B, T) with a KV cache; temperature 0 is greedy."""
+        if idx.size(1) + max_new_tokens > self.cfg.block_size:
+            raise ValueError(f"prompt {idx.size(1)} + max_new_tokens {max_new_tokens} exceeds "
+                             f"block_size={self.cfg.block_size}")
+        caches = [KVCache() for _ in self.blocks]
+        logits, _ = self(idx, caches=caches)
+        for _ in range(max_new_tokens):
+            nxt = sample(logits[:, -1], temperature, top_k, generator)
+            idx = torch.cat([idx, nxt], dim=1)
+            logits, _ = self(nxt, caches=caches)
+        return idx
+
+
+def sample(logits, temperature=1.0, top_k=None, generator=None):
+    """One token id per row of logits (B, V), as a (B, 1) tensor."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and not 1 <= top_k <= logits.size(-1):
+        raise ValueError(f"top_k must be in [1, {logits.size(-1)}], got {top_k}")
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+
+
+# -----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    cfg = ModelConfig()
+    model = Transformer(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"config: {cfg}")
+    print(f"parameters: {n_params / 1e6:.2f}M; KV-Mirror pairs (source -> consumer): "
+          f"{[(b.mirror_source, i) for i, b in enumerate(model.blocks) if b.mirror_source is not None]}")
+    idx = torch.randint(cfg.vocab_size, (2, 32))
+    logits, loss = model(idx[:, :-1], idx[:, 1:])
+    print(f"forward: logits {tuple(logits.shape)}, loss {loss.item():.4f} (ln V = {math.log(cfg.vocab_size):.4f})")
+    load = model.expert_load()
+    print(f"expert load per layer (tokens x top_k = {idx[:, :-1].numel() * cfg.top_k} selections), max/mean:")
+    for i, row in enumerate(load):
+        print(f"  moe layer {i}: {row.int().tolist()}  max/mean {(row.max() / row.mean()).item():.2f}")
+    out = model.generate(idx[:1, :8], 16, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(0))
+    print(f"generate (untrained, top_k=20): prompt {idx[0, :8].tolist()} -> {out[0, 8:].tolist()}")

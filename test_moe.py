@@ -1,0 +1,422 @@
+"""Property tests of the backbone (moe.py): each compares with an independent reference.
+
+References used: a per-token loop over the MoE definition, a per-pair loop over the RoPE
+rotation, a hand-written masked softmax, and full forwards over each prefix.
+"""
+
+import math
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from torch.nn.attention.flex_attention import create_block_mask
+
+import moe
+from moe import KVCache, MoE, ModelConfig, Transformer, apply_rope, attend, causal, dense_mask
+
+FAST = settings(max_examples=12, deadline=None)
+
+
+def small_cfg(**kw):
+    base = dict(vocab_size=61, block_size=64, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
+                head_dim=8, n_experts=4, top_k=2, expert_hidden=16, ffn_hidden=48)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+# -----------------------------------------------------------------------------
+# independent references
+
+
+def rope_reference(x, pos, rope_dim, base):
+    """RoPE by its definition: pair (i, i + rope_dim/2) rotated by angle pos * base^(-i/(rope_dim/2))."""
+    out = x.clone().double()
+    half = rope_dim // 2
+    for t in range(x.size(-2)):
+        for i in range(half):
+            a = float(pos[t]) * base ** (-i / half)
+            x1, x2 = x[..., t, i].double(), x[..., t, i + half].double()
+            out[..., t, i] = x1 * math.cos(a) - x2 * math.sin(a)
+            out[..., t, i + half] = x2 * math.cos(a) + x1 * math.sin(a)
+    return out
+
+
+def rmsnorm_reference(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def moe_reference(m: MoE, x):
+    """The MoE definition, one token at a time: select by score + bias, weight by score."""
+    out = torch.zeros_like(x)
+    for t in range(x.size(0)):
+        s = torch.sigmoid(m.router.weight @ x[t])
+        chosen = torch.topk(s + m.bias, m.cfg.top_k).indices.tolist()
+        y = m.shared(x[t])
+        for e in chosen:
+            g, u = (x[t] @ m.w_gate_up[e]).chunk(2)
+            y = y + s[e] * ((F.silu(g) * u) @ m.w_down[e])
+        out[t] = y
+    return out
+
+
+def softmax_attention_reference(q, k, v, allowed):
+    """Masked softmax by hand, GQA by repeating K/V heads; rows that see nothing give 0."""
+    rep = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    att = (q @ k.transpose(-1, -2)) / math.sqrt(q.size(-1))
+    att = att.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
+    return att @ v
+
+
+# -----------------------------------------------------------------------------
+# attention pieces
+
+
+@FAST
+@given(T=st.integers(1, 12), rope_fraction=st.sampled_from([0.25, 0.5, 1.0]), seed=st.integers(0, 999))
+def test_rope_rotates_pairs_by_position(T, rope_fraction, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, T, 8, generator=g)
+    pos = torch.randint(0, 100, (T,), generator=g)
+    rd = int(8 * rope_fraction)
+    got = apply_rope(x, pos, rd, 10000.0)
+    torch.testing.assert_close(got.double(), rope_reference(x, pos, rd, 10000.0), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[..., rd:], x[..., rd:])  # the rest of the head carries no position
+
+
+@FAST
+@given(T=st.integers(1, 20), heads=st.sampled_from([(4, 4), (6, 2), (4, 1)]), seed=st.integers(0, 999))
+def test_attend_paths_equal_masked_softmax(T, heads, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, heads[0], T, 8, generator=g)
+    k, v = (torch.randn(2, heads[1], T, 8, generator=g) for _ in range(2))
+    i = torch.arange(T)
+    allowed = dense_mask(causal, i, i)
+    ref = softmax_attention_reference(q, k, v, allowed)
+    block_mask = create_block_mask(causal, None, None, T, T, device="cpu")
+    for mask in ("causal", allowed, block_mask):
+        torch.testing.assert_close(attend(q, k, v, mask), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attend_rejects_causal_with_unequal_lengths():
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="causal"):
+        attend(q, k, k, "causal")
+
+
+# -----------------------------------------------------------------------------
+# MoE
+
+
+@FAST
+@given(E=st.integers(1, 6), k=st.integers(1, 6), N=st.integers(1, 24),
+       dispatch=st.sampled_from(["loop", "grouped_mm", "auto"]), seed=st.integers(0, 999))
+def test_moe_equals_per_token_loop(E, k, N, dispatch, seed):
+    torch.manual_seed(seed)
+    cfg = small_cfg(n_experts=E, top_k=min(k, E), moe_dispatch=dispatch)
+    m = MoE(cfg)
+    for p in (m.w_gate_up, m.w_down):
+        torch.nn.init.normal_(p, std=0.3)
+    m.bias.normal_(std=0.3)  # the bias must steer selection, so give it weight
+    x = torch.randn(N, cfg.n_embd)
+    torch.testing.assert_close(m(x), moe_reference(m, x), atol=1e-5, rtol=1e-5)
+
+
+def test_bias_changes_selection_never_weights():
+    torch.manual_seed(0)
+    m = MoE(small_cfg(n_experts=4, top_k=1))
+    x = torch.randn(50, 32)
+    scores = torch.sigmoid(x @ m.router.weight.T)
+    idx0, w0 = m.route(x)
+    m.bias[3] = 10.0  # pushes expert 3 to the top for every token
+    idx1, w1 = m.route(x)
+    assert (idx0[:, 0] != 3).any() and (idx1[:, 0] == 3).all()
+    torch.testing.assert_close(w1[:, 0], scores[:, 3])  # weight is the plain score, no bias
+    torch.testing.assert_close(w0, scores.gather(1, idx0))
+
+
+@FAST
+@given(seed=st.integers(0, 999), gamma=st.sampled_from([1e-3, 0.05]), steps=st.integers(1, 3))
+def test_bias_update_moves_overloaded_down_underloaded_up(seed, gamma, steps):
+    torch.manual_seed(seed)
+    m = MoE(small_cfg(n_experts=5, top_k=2)).train()
+    m.bias.normal_(std=0.1)
+    before = m.bias.clone()
+    load = torch.zeros(5)
+    for _ in range(steps):  # micro-steps of one optimizer step
+        x = torch.randn(16, 32)
+        load += torch.bincount(torch.topk(torch.sigmoid(x @ m.router.weight.T) + m.bias, 2).indices.flatten(), minlength=5)
+        m(x)
+    returned = m.update_bias(gamma)
+    assert torch.equal(returned, load)
+    step = m.bias - before
+    for e in range(5):
+        expected = -gamma if load[e] > load.mean() else gamma if load[e] < load.mean() else 0.0
+        assert step[e].item() == pytest.approx(expected, abs=1e-7)
+    assert m.step_load.sum() == 0  # the next step counts afresh
+
+
+def test_no_grad_forwards_do_not_count_toward_the_step_load():
+    m = MoE(small_cfg()).train()
+    with torch.no_grad():
+        m(torch.randn(10, 32))
+    assert m.step_load.sum() == 0 and m.last_load.sum() == 10 * 2
+
+
+@pytest.mark.parametrize("update", [True, False])
+def test_loss_free_balancing_reduces_skew(update):
+    torch.manual_seed(0)
+    m = MoE(small_cfg(n_experts=8, top_k=2)).train()
+    common = torch.randn(32)
+    with torch.no_grad():  # skew: two experts' router rows align with a direction all inputs share
+        m.router.weight[:2] = common / common.norm() * 3
+    x = torch.randn(256, 32) * 0.3 + common
+
+    def imbalance():
+        with torch.no_grad():
+            load = torch.bincount(m.route(x)[0].flatten(), minlength=8).float()
+        return (load.max() / load.mean()).item()
+
+    start = imbalance()
+    late = []
+    for step in range(250):
+        m(x)
+        if update:
+            m.update_bias(0.005)
+        if step >= 200:  # a sign update oscillates around balance; average its late steps
+            late.append(imbalance())
+    end = sum(late) / len(late)
+    assert start > 3.0  # the two favoured experts take (almost) every token
+    if update:
+        assert end < 1.4, (start, end)
+    else:
+        assert end == start
+
+
+# -----------------------------------------------------------------------------
+# KV-Mirror
+
+
+@contextmanager
+def recording(model, noise_at=None, noise=None):
+    """Record each block's residual input (xs[i]) and each attend call's (k, v) (calls[i]);
+    optionally add noise to the residual input of block noise_at."""
+    xs, calls = {}, []
+
+    def pre_hook(mod, args, i):
+        if i == noise_at:
+            args = (args[0] + noise,) + args[1:]
+        xs[i] = args[0]
+        return args
+    handles = [b.register_forward_pre_hook(lambda mod, args, i=i: pre_hook(mod, args, i))
+               for i, b in enumerate(model.blocks)]
+    real = moe.attend
+    moe.attend = lambda q, k, v, mask: calls.append((k, v)) or real(q, k, v, mask)
+    try:
+        yield xs, calls
+    finally:
+        moe.attend = real
+        for h in handles:
+            h.remove()
+
+
+def expected_kv(block, attn_block, x_in, pos, cfg):
+    """K/V of attn_block's projections applied to block's normalized input, by hand."""
+    u = rmsnorm_reference(x_in, block.attn_norm.weight, cfg.norm_eps)
+    B, T, _ = u.shape
+    k = (u @ attn_block.attn.k_proj.weight.T).view(B, T, cfg.n_kv_head, -1).transpose(1, 2)
+    v = (u @ attn_block.attn.v_proj.weight.T).view(B, T, cfg.n_kv_head, -1).transpose(1, 2)
+    k = rmsnorm_reference(k, attn_block.attn.k_norm.weight, cfg.norm_eps)
+    return rope_reference(k, pos, cfg.rope_dim, cfg.rope_base), v
+
+
+@FAST
+@given(n_layer=st.integers(3, 7), mirror=st.booleans(), T=st.integers(1, 10), seed=st.integers(0, 999))
+def test_consumer_kv_are_its_own_projections_of_the_source_input(n_layer, mirror, T, seed):
+    torch.manual_seed(seed)
+    cfg = small_cfg(n_layer=n_layer, kv_mirror=mirror)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for b in model.blocks:  # non-trivial norm weights so that a wrong norm shows
+            b.attn_norm.weight.uniform_(0.5, 1.5)
+            b.attn.k_norm.weight.uniform_(0.5, 1.5)
+    with recording(model) as (xs, calls):
+        model(torch.randint(cfg.vocab_size, (2, T)))
+    pairs = 0
+    for i, block in enumerate(model.blocks):
+        src = cfg.mirror_source(i)
+        assert (src is not None) == (mirror and n_layer - 1 - i < n_layer // 3)
+        feed = i if src is None else src  # whose normalized input the K/V come from
+        k_ref, v_ref = expected_kv(model.blocks[feed], block, xs[feed], torch.arange(T), cfg)
+        torch.testing.assert_close(calls[i][0].double(), k_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(calls[i][1], v_ref, atol=1e-5, rtol=1e-5)
+        pairs += src is not None
+    assert pairs == (n_layer // 3 if mirror else 0)
+
+
+@pytest.mark.parametrize("mirror", [True, False])
+def test_consumer_kv_follow_the_source_input_not_their_own(mirror):
+    torch.manual_seed(0)
+    model = Transformer(small_cfg(n_layer=6, kv_mirror=mirror)).eval()
+    consumer, source = 5, 0  # U-shape pairing for 6 layers: 0 -> 5, 1 -> 4
+    assert model.blocks[consumer].mirror_source == (source if mirror else None)
+    idx = torch.randint(61, (2, 6))
+    noise = torch.randn(2, 6, 32)
+
+    def consumer_kv(noise_at):
+        with torch.no_grad(), recording(model, noise_at, noise) as (_, calls):
+            model(idx)
+        return calls[consumer]
+    clean = consumer_kv(None)
+    own = consumer_kv(consumer)  # perturb the consumer's own residual input
+    src = consumer_kv(source)  # perturb the source's input (so its u)
+    for a, b in zip(own, clean):
+        assert torch.equal(a, b) == mirror  # mirrored K/V ignore the consumer's own input
+    for a, b in zip(src, clean):
+        assert not torch.allclose(a, b)
+
+
+def test_gradients_reach_the_source_through_the_consumer():
+    torch.manual_seed(0)
+    cfg = small_cfg(n_layer=3, kv_mirror=True)
+    model = Transformer(cfg)
+    with recording(model) as (xs, calls):
+        model(torch.randint(cfg.vocab_size, (2, 7)))
+    k_consumer = calls[2][0]
+    R = torch.randn_like(k_consumer)
+    w = model.blocks[0].attn_norm.weight  # lives only in the source layer
+    g_model = torch.autograd.grad((k_consumer * R).sum(), w)[0]
+    k_ref, _ = expected_kv(model.blocks[0], model.blocks[2], xs[0], torch.arange(7), cfg)
+    g_ref = torch.autograd.grad((k_ref.float() * R).sum(), w)[0]
+    assert g_model.abs().sum() > 0
+    torch.testing.assert_close(g_model, g_ref, atol=1e-5, rtol=1e-4)
+
+
+# -----------------------------------------------------------------------------
+# whole model
+
+
+model_configs = st.fixed_dictionaries(dict(
+    n_layer=st.integers(3, 5), kv_mirror=st.booleans(), heads=st.sampled_from([(6, 2), (4, 4), (6, 1)]),
+    rope_fraction=st.sampled_from([0.25, 0.5, 1.0]), n_experts=st.sampled_from([0, 4])))
+
+
+def build(c, seed):
+    torch.manual_seed(seed)
+    n_head, n_kv = c["heads"]
+    return Transformer(small_cfg(n_layer=c["n_layer"], kv_mirror=c["kv_mirror"], n_head=n_head,
+                                 n_kv_head=n_kv, rope_fraction=c["rope_fraction"],
+                                 n_experts=c["n_experts"])).eval()
+
+
+@FAST
+@given(c=model_configs, T=st.integers(2, 14), chunks=st.lists(st.integers(1, 4), min_size=1, max_size=6),
+       seed=st.integers(0, 999))
+def test_cached_steps_equal_full_forward_on_each_prefix(c, T, chunks, seed):
+    model = build(c, seed)
+    idx = torch.randint(model.cfg.vocab_size, (2, T + sum(chunks)))
+    caches = [KVCache() for _ in model.blocks]
+    with torch.no_grad():
+        got, _ = model(idx[:, :T], caches=caches)
+        torch.testing.assert_close(got, model(idx[:, :T])[0], atol=1e-5, rtol=1e-5)
+        t = T
+        for n in chunks:  # each step feeds n new tokens (1 = ordinary decoding)
+            got, _ = model(idx[:, t:t + n], caches=caches)
+            full, _ = model(idx[:, :t + n])
+            torch.testing.assert_close(got, full[:, t:], atol=1e-5, rtol=1e-5)
+            t += n
+
+
+@FAST
+@given(c=model_configs, seed=st.integers(0, 999))
+def test_greedy_generate_equals_argmax_of_full_forwards(c, seed):
+    model = build(c, seed)
+    idx = torch.randint(model.cfg.vocab_size, (2, 5))
+    out = model.generate(idx, 6, temperature=0)
+    ref = idx
+    with torch.no_grad():
+        for _ in range(6):
+            ref = torch.cat([ref, model(ref)[0][:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, ref)
+
+
+def test_sampling_is_reproducible_and_respects_top_k():
+    model = build(dict(n_layer=3, kv_mirror=True, heads=(6, 2), rope_fraction=0.25, n_experts=4), 0)
+    idx = torch.zeros(1, 3, dtype=torch.long)
+    a = model.generate(idx, 10, top_k=1, generator=torch.Generator().manual_seed(5))
+    b = model.generate(idx, 10, temperature=0)
+    assert torch.equal(a, b)  # top_k=1 is greedy whatever the temperature
+    c1 = model.generate(idx, 10, temperature=2.0, generator=torch.Generator().manual_seed(5))
+    c2 = model.generate(idx, 10, temperature=2.0, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(c1, c2)
+
+
+@FAST
+@given(c=model_configs, T=st.integers(2, 16), data=st.data(), seed=st.integers(0, 999))
+def test_changing_token_j_changes_no_earlier_logit(c, T, data, seed):
+    model = build(c, seed)
+    j = data.draw(st.integers(0, T - 1))
+    idx = torch.randint(model.cfg.vocab_size, (2, T))
+    idx2 = idx.clone()
+    idx2[:, j] = (idx[:, j] + 1) % model.cfg.vocab_size
+    with torch.no_grad():
+        a, b = model(idx)[0], model(idx2)[0]
+    torch.testing.assert_close(a[:, :j], b[:, :j], atol=1e-6, rtol=0)
+    assert not torch.allclose(a[:, j], b[:, j])
+
+
+def test_forward_loss_is_cross_entropy_and_backward_reaches_every_parameter():
+    torch.manual_seed(0)
+    model = Transformer(small_cfg(n_layer=4))
+    idx = torch.randint(61, (2, 9))
+    logits, loss = model(idx[:, :-1], idx[:, 1:])
+    ref = -logits.log_softmax(-1).gather(-1, idx[:, 1:, None]).mean()
+    torch.testing.assert_close(loss, ref)
+    loss.backward()
+    dead = [n for n, p in model.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
+    assert dead == []
+
+
+def test_too_long_input_raises():
+    model = Transformer(small_cfg(block_size=8))
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="block_size"):
+        model.generate(torch.zeros(1, 4, dtype=torch.long), 5)
+
+
+# -----------------------------------------------------------------------------
+# config validation
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(n_head=6, n_kv_head=4), "n_head"),
+    (dict(n_experts=4, top_k=5), "top_k"),
+    (dict(n_experts=4, top_k=0), "top_k"),
+    (dict(n_experts=-1), "n_experts"),
+    (dict(rope_fraction=0.0), "rope_fraction"),
+    (dict(rope_fraction=1.5), "rope_fraction"),
+    (dict(head_dim=8, rope_fraction=0.1), "rope_fraction"),
+    (dict(rope_base=1.0), "rope_base"),
+    (dict(n_layer=2, kv_mirror=True), "kv_mirror"),
+    (dict(moe_dispatch="fast"), "moe_dispatch"),
+    (dict(balance_gamma=-1.0), "balance_gamma"),
+    (dict(norm_eps=0.0), "norm_eps"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(block_size=0), "block_size"),
+    (dict(n_embd=0), "n_embd"),
+    (dict(head_dim=0), "head_dim"),
+    (dict(expert_hidden=0), "expert_hidden"),
+])
+def test_invalid_config_raises_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        small_cfg(**kw)
+
+
+def test_sample_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="temperature"):
+        moe.sample(torch.zeros(1, 5), temperature=-1)
+    with pytest.raises(ValueError, match="top_k"):
+        moe.sample(torch.zeros(1, 5), top_k=6)
