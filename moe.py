@@ -361,16 +361,17 @@ class Transformer(nn.Module):
         elif isinstance(module, MoE):
             nn.init.normal_(module.w_gate_up, std=0.02)
 
-    def run_blocks(self, x, pos, masks, caches=None):
-        """All blocks over residual x (B, T, C) at positions pos; masks[i] is layer i's mask.
+    def run_blocks(self, x, layer_fn):
+        """Run every block over the residual x; layer_fn(i, block, x, kv_u) -> (x, u) calls
+        block i with its mask and cache (hd.py and tah.py pass their own).
 
-        KV-Mirror: a source layer's u is kept (not detached: gradients reach the source) and a
-        consumer computes its K/V from it.
+        KV-Mirror bookkeeping lives here once: a source layer's u is kept (not detached, so
+        gradients reach the source) and handed to its consumer as kv_u.
         """
         saved = {}
         for i, block in enumerate(self.blocks):
             kv_u = saved.pop(block.mirror_source) if block.mirror_source is not None else None
-            x, u = block(x, pos, masks[i], kv_u=kv_u, cache=None if caches is None else caches[i])
+            x, u = layer_fn(i, block, x, kv_u)
             if i in self.sources:
                 saved[i] = u
         return x
@@ -383,7 +384,8 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {start + T} positions exceeds block_size={self.cfg.block_size}")
         pos = torch.arange(start, start + T, device=idx.device)
         mask = "causal" if start == 0 else dense_mask(causal, pos, torch.arange(start + T, device=idx.device))
-        x = self.run_blocks(self.wte(idx), pos, [mask] * self.cfg.n_layer, caches)
+        x = self.run_blocks(self.wte(idx), lambda i, block, x, kv_u: block(
+            x, pos, mask, kv_u=kv_u, cache=None if caches is None else caches[i]))
         logits = self.lm_head(self.norm_f(x))
         loss = None
         if targets is not None:

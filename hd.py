@@ -1,0 +1,351 @@
+"""
+Hidden Decoding: each token expanded into n streams, Stream-Factorized Attention.
+
+Follows "Hidden Decoding at Scale" (../shared/papers/000_*, §2-3) with the details recovered in
+../shared/notes/hd.md. Built on moe.py: the backbone's blocks run unchanged; this file adds
+the n embedding tables, the three attention masks, the final-stream objective, progressive
+expansion, the KV-mirror final-stream skip and cached decoding.
+
+Indexing (0-based): token i, stream k, expanded index t = i*n + k, so i(t) = t // n and
+s(t) = t % n. The expanded input is S[t] = E_{s(t)}[x_{i(t)}] (HD §2.1).
+
+Each attention pattern is defined once, as a flex-style mask_mod (HD §2.2, Figure 3):
+  F  full cross-stream:   kv <= q
+  L  local cross-stream:  0 <= q - kv < window       (window counted in expanded positions)
+  I  intra-stream:        kv <= q and kv % n == q % n
+and every execution path derives from it: a dense boolean mask for SDPA (the reference, any
+device, forward and backward), a flex_attention BlockMask (CUDA), and for I layers the
+structural fast path "streams folded into the batch dimension + causal SDPA".
+
+Run `python hd.py` to see the three masks drawn for n = 2, L = 4 (as in HD Figure 3) and a
+tiny model's loss, skip and decoding.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask
+
+from moe import KVCache, ModelConfig, Transformer, dense_mask, sample
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class HDConfig(ModelConfig):
+    """The backbone's fields (moe.ModelConfig) plus:
+
+    n_streams:   n, streams per token (n = 1 is the backbone itself).
+    layout:      one letter per layer: F (full cross-stream), L (local cross-stream, causal
+                 sliding window) or I (intra-stream). HD §2.2 keeps most layers I.
+    window:      keys an L layer sees, counting itself, in expanded positions.
+    positions:   RoPE position of row t: "expanded" (t, the paper and the released code) or
+                 "token" (i(t): every stream of token i at position i, for study).
+    objective:   "final" (only final-stream rows predict the next token, HD §2.1), or the §5.1
+                 ablations "all" (every stream predicts it) and "sum" (stream states of a token
+                 summed before the LM head).
+    shared_kv:   PHD-like control (HD §5.2): in I layers every stream reads one shared per-token
+                 K/V for earlier tokens (see `shared_intra`) instead of its own stream's.
+    mirror_skip: KV-mirror final-stream skip (HD §3.1): mirrored layers run only final-stream
+                 rows. None = on where exact (objective "final" with kv_mirror).
+    attn_impl:   "fast" (F: causal SDPA; I: streams folded into the batch; L and shared-KV I:
+                 flex BlockMask on CUDA, dense mask elsewhere), "dense" (every layer a dense
+                 mask: the reference) or "flex" (every layer a BlockMask; CPU: forward only).
+
+    block_size counts tokens; the expanded sequence holds n_streams * block_size rows.
+    """
+
+    n_streams: int = 2
+    layout: str = "IIFLII"
+    window: int = 8
+    positions: str = "expanded"
+    objective: str = "final"
+    shared_kv: bool = False
+    mirror_skip: bool | None = None
+    attn_impl: str = "fast"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.n_streams, int) or self.n_streams < 1:
+            raise ValueError(f"n_streams must be an int >= 1, got {self.n_streams!r}")
+        if len(self.layout) != self.n_layer:
+            raise ValueError(f"layout must have one letter per layer ({self.n_layer}), got {self.layout!r}")
+        if set(self.layout) - set("FLI"):
+            raise ValueError(f"layout letters must be F, L or I, got {self.layout!r}")
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be an int >= 1, got {self.window!r}")
+        if self.positions not in ("expanded", "token"):
+            raise ValueError(f"positions must be 'expanded' or 'token', got {self.positions!r}")
+        if self.objective not in ("final", "all", "sum"):
+            raise ValueError(f"objective must be 'final', 'all' or 'sum', got {self.objective!r}")
+        if self.attn_impl not in ("fast", "dense", "flex"):
+            raise ValueError(f"attn_impl must be 'fast', 'dense' or 'flex', got {self.attn_impl!r}")
+        if self.shared_kv and "I" not in self.layout:
+            raise ValueError(f"shared_kv changes only intra-stream (I) layers; layout {self.layout!r} has none")
+        exact = self.objective == "final" and self.kv_mirror
+        if self.mirror_skip and not exact:
+            raise ValueError("mirror_skip is exact only with objective='final' and kv_mirror=True "
+                             f"(got objective={self.objective!r}, kv_mirror={self.kv_mirror})")
+        if self.mirror_skip is None:
+            self.mirror_skip = exact
+
+
+# -----------------------------------------------------------------------------
+# The masks: one mask_mod each (HD §2.2). q_idx, kv_idx are expanded indices t.
+
+
+def full(n, window):
+    def full_mask(b, h, q_idx, kv_idx):  # M^full: plain causal over the expanded sequence
+        return kv_idx <= q_idx
+    return full_mask
+
+
+def local(n, window):
+    def local_mask(b, h, q_idx, kv_idx):  # M^local: causal sliding window of `window` rows
+        return (q_idx - kv_idx >= 0) & (q_idx - kv_idx < window)
+    return local_mask
+
+
+def intra(n, window):
+    def intra_mask(b, h, q_idx, kv_idx):  # M^intra: causal within the query's own stream
+        return (kv_idx <= q_idx) & (kv_idx % n == q_idx % n)
+    return intra_mask
+
+
+def shared_intra(n, window):
+    """Shared-KV control (HD §5.2, PHD-like). Our definition: the shared per-token K/V is
+    stream 0's (as PHD keeps only the original copy's KV). A query at (token i, stream s)
+    reads stream 0's K/V of tokens j < i plus its own row (i, s); streams stay separate
+    trajectories and only one K/V row per past token has to be retained. n = 1: causal."""
+    def shared_intra_mask(b, h, q_idx, kv_idx):
+        return (kv_idx == q_idx) | ((kv_idx % n == 0) & (kv_idx // n < q_idx // n))
+    return shared_intra_mask
+
+
+MASKS = {"F": full, "L": local, "I": intra}
+
+
+def on_final_rows(mask_mod, n):
+    """The same mask with query row r standing for expanded index r*n + n-1 (final stream)."""
+    def final_rows_mask(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx * n + n - 1, kv_idx)
+    return final_rows_mask
+
+
+def fold(x, n):
+    """(B, L*n, ...) interleaved rows -> (B*n, L, ...): stream k of batch b becomes batch b*n + k.
+    The interleaved intra mask has no block sparsity (each 128x128 tile mixes all streams), so
+    a BlockMask skips only what causal skips; folding makes each stream a causal sequence."""
+    B, T = x.shape[:2]
+    return x.view(B, T // n, n, *x.shape[2:]).transpose(1, 2).reshape(B * n, T // n, *x.shape[2:])
+
+
+def unfold(x, n):
+    """Inverse of fold."""
+    Bn, L = x.shape[:2]
+    return x.view(Bn // n, n, L, *x.shape[2:]).transpose(1, 2).reshape(Bn // n, L * n, *x.shape[2:])
+
+
+# -----------------------------------------------------------------------------
+# The model
+
+
+class HiddenDecoding(nn.Module):
+    def __init__(self, cfg: HDConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = Transformer(cfg)
+        del self.backbone.wte  # HD embeds with its own n tables, E_0 .. E_{n-1} (HD §2.1)
+        self.tables = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.n_embd) for _ in range(cfg.n_streams))
+        for table in self.tables:
+            nn.init.normal_(table.weight, std=0.02)
+
+    def mask_mod(self, layer):
+        kind = self.cfg.layout[layer]
+        make = shared_intra if kind == "I" and self.cfg.shared_kv else MASKS[kind]
+        return make(self.cfg.n_streams, self.cfg.window)
+
+    def embed(self, idx):
+        """S[t] = E_{s(t)}[x_{i(t)}]: (B, L) -> (B, L*n, C), rows interleaved t = i*n + k."""
+        rows = torch.stack([table(idx) for table in self.tables], dim=2)  # (B, L, n, C)
+        return rows.flatten(1, 2)
+
+    def hidden(self, idx, caches=None):
+        """Final residual states: (B, L*n, C), or (B, L, C) final-stream rows under the skip."""
+        cfg, n = self.cfg, self.cfg.n_streams
+        B, L = idx.shape
+        start = 0 if caches is None else len(caches[0])  # rows already cached
+        if start // n + L > cfg.block_size:
+            raise ValueError(f"sequence of {start // n + L} tokens exceeds block_size={cfg.block_size}")
+        dev = idx.device
+        t = torch.arange(start, start + L * n, device=dev)  # expanded indices of the new rows
+        t_kv = torch.arange(start + L * n, device=dev)  # every row the keys may come from
+        pos = t if cfg.positions == "expanded" else t // n
+        final = slice(n - 1, None, n)  # final-stream rows among the new ones
+        block_masks = {}  # BlockMasks built once per forward, shared by layers of one type
+
+        def mask_for(layer, q_t, on_final):
+            mod = self.mask_mod(layer)
+            use_flex = cfg.attn_impl == "flex" or (cfg.attn_impl == "fast" and dev.type == "cuda")
+            if caches is not None or not use_flex:
+                return dense_mask(mod, q_t, t_kv)
+            key = (cfg.layout[layer], on_final)
+            if key not in block_masks:
+                block_masks[key] = create_block_mask(on_final_rows(mod, n) if on_final else mod,
+                                                     None, None, len(q_t), len(t_kv), device=dev)
+            return block_masks[key]
+
+        def layer(i, block, x, kv_u):
+            kind = cfg.layout[i]
+            cache = None if caches is None else caches[i]
+            if cfg.mirror_skip and block.mirror_source is not None:
+                # HD §3.1: a mirrored layer's K/V come from the source state of every stream,
+                # and only final-stream rows carry a loss, so only they go on from here.
+                if x.size(1) == t.numel():
+                    x = x[:, final]
+                if kind == "I" and not cfg.shared_kv and cache is None:
+                    # final stream attends to itself only: causal over its own rows
+                    return block(x, pos[final], "causal", kv_u=kv_u[:, final], kv_pos=pos[final])
+                return block(x, pos[final], mask_for(i, t[final], True), kv_u=kv_u, kv_pos=pos, cache=cache)
+            if kind == "F" and cfg.attn_impl == "fast" and cache is None:
+                return block(x, pos, "causal", kv_u=kv_u)  # M^full is plain causal: SDPA's kernel
+            if kind == "I" and not cfg.shared_kv and cfg.attn_impl == "fast" and cache is None:
+                x_f, u_f = block(fold(x, n), fold(pos.expand(B, -1), n), "causal",
+                                 kv_u=None if kv_u is None else fold(kv_u, n))
+                return unfold(x_f, n), unfold(u_f, n)
+            return block(x, pos, mask_for(i, t, False), kv_u=kv_u, cache=cache)
+
+        return self.backbone.run_blocks(self.embed(idx), layer)
+
+    def head(self, h):
+        return self.backbone.lm_head(self.backbone.norm_f(h))
+
+    def forward(self, idx, targets=None, caches=None):
+        """idx (B, L) -> (logits (B, L, V) of each token's prediction, loss or None).
+
+        objective "final": the final-stream row of token i predicts x_{i+1} (HD §2.1, Eq. 1);
+        the LM head runs on those L rows only. "all": every row of token i predicts x_{i+1}
+        (the returned logits are still the final stream's). "sum": the n stream states of
+        token i are summed, then normed and projected (HD §5.1).
+        """
+        n = self.cfg.n_streams
+        h = self.hidden(idx, caches)
+        B, L = idx.shape
+        skipped = h.size(1) == L and n > 1  # only final-stream rows came out (KV-mirror skip)
+        if self.cfg.objective == "sum":
+            logits = self.head(h.view(B, L, n, -1).sum(2))
+        elif self.cfg.objective == "all" and targets is not None:
+            all_logits = self.head(h)  # (B, L*n, V)
+            loss = F.cross_entropy(all_logits.flatten(0, 1).float(),
+                                   targets.repeat_interleave(n, dim=1).flatten(), ignore_index=-1)
+            return all_logits[:, n - 1::n], loss
+        else:
+            logits = self.head(h if skipped else h[:, n - 1::n])
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Cached decoding (HD §3.2): each new token enters as its n stream rows in one step;
+        all n rows are cached in every layer; the final stream's logits pick the next token."""
+        if idx.size(1) + max_new_tokens > self.cfg.block_size:
+            raise ValueError(f"prompt {idx.size(1)} + max_new_tokens {max_new_tokens} exceeds "
+                             f"block_size={self.cfg.block_size}")
+        caches = [KVCache() for _ in self.backbone.blocks]
+        logits, _ = self(idx, caches=caches)
+        for _ in range(max_new_tokens):
+            nxt = sample(logits[:, -1], temperature, top_k, generator)
+            idx = torch.cat([idx, nxt], dim=1)
+            logits, _ = self(nxt, caches=caches)
+        return idx
+
+
+# -----------------------------------------------------------------------------
+# Progressive expansion (HD §2.3): copy embedding tables cyclically, keep the backbone
+
+
+def expand_streams(model, n_new, **overrides):
+    """A new model with n_new streams, E_k <- E_{k mod n} (n -> 2n gives E_{n+k} <- E_k).
+
+    model: a HiddenDecoding, or a trained moe.Transformer (starting HD from an n = 1 backbone is
+    the same operation: its wte is E_0). The backbone and LM head carry over unchanged.
+    overrides: HDConfig fields of the new model (e.g. layout, objective); shape fields must match.
+    """
+    if isinstance(model, HiddenDecoding):
+        cfg, tables = model.cfg, [t.weight for t in model.tables]
+        body = model.backbone.state_dict()
+        new_cfg = HDConfig(**{**cfg.__dict__, "mirror_skip": None, **overrides, "n_streams": n_new})
+    elif isinstance(model, Transformer):
+        cfg, tables = model.cfg, [model.wte.weight]
+        body = {k: v for k, v in model.state_dict().items() if not k.startswith("wte.")}
+        new_cfg = HDConfig(**{**cfg.__dict__, "layout": "F" * cfg.n_layer, **overrides, "n_streams": n_new})
+    else:
+        raise ValueError(f"expand_streams takes a HiddenDecoding or a moe.Transformer, got {type(model).__name__}")
+    n = len(tables)
+    if n_new < n or n_new % n:
+        raise ValueError(f"n_new must be a multiple of the current n_streams={n}, got {n_new}")
+    new = HiddenDecoding(new_cfg).to(tables[0].device)
+    load_backbone(new, body, cfg)
+    with torch.no_grad():
+        for k, table in enumerate(new.tables):
+            table.weight.copy_(tables[k % n])
+    return new
+
+
+def load_backbone(model, state_dict, source_cfg=None):
+    """Load backbone weights (no wte) into model, raising ValueError on a shape mismatch."""
+    if source_cfg is not None:
+        for f in ("vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "head_dim", "n_experts",
+                  "expert_hidden", "ffn_hidden", "kv_mirror", "rope_fraction"):
+            if getattr(source_cfg, f) != getattr(model.cfg, f):
+                raise ValueError(f"checkpoint has {f}={getattr(source_cfg, f)}, model has {getattr(model.cfg, f)}")
+    own = model.backbone.state_dict()
+    missing, extra = set(own) - set(state_dict), set(state_dict) - set(own)
+    if missing or extra:
+        raise ValueError(f"checkpoint does not fit the backbone: missing {sorted(missing)[:3]}, "
+                         f"unexpected {sorted(extra)[:3]}")
+    for k, v in state_dict.items():
+        if v.shape != own[k].shape:
+            raise ValueError(f"checkpoint tensor {k} has shape {tuple(v.shape)}, model {tuple(own[k].shape)}")
+    model.backbone.load_state_dict(state_dict)
+
+
+# -----------------------------------------------------------------------------
+
+
+def draw(mask_mod, n, L):
+    """ASCII picture of a mask over the expanded sequence: row = query t, column = key t'."""
+    t = torch.arange(n * L)
+    m = dense_mask(mask_mod, t, t)
+    lines = ["      " + " ".join(f"{i}{'abcdefgh'[k]}" for i in range(L) for k in range(n))]
+    for q in range(n * L):
+        label = f"{q // n}{'abcdefgh'[q % n]}"
+        lines.append(f"  {label:>3} " + " ".join(" #" if m[q, kv] else " ." for kv in range(n * L)))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    n, L, w = 2, 4, 3
+    print(f"Stream-Factorized Attention masks, n={n} streams, L={L} tokens (row 2b = token 2, stream b)")
+    for name, make in [("F full cross-stream", full), (f"L local cross-stream, window={w}", local),
+                       ("I intra-stream", intra), ("I with shared KV (control)", shared_intra)]:
+        print(f"\n{name}:\n{draw(make(n, w), n, L)}")
+
+    torch.manual_seed(0)
+    cfg = HDConfig(n_streams=4, layout="IIFLII", window=8)
+    model = HiddenDecoding(cfg).eval()
+    idx = torch.randint(cfg.vocab_size, (2, 33))
+    with torch.no_grad():
+        logits, loss = model(idx[:, :-1], idx[:, 1:])
+        ref = HiddenDecoding(HDConfig(**{**cfg.__dict__, "mirror_skip": False, "attn_impl": "dense"}))
+        ref.load_state_dict(model.state_dict())
+        ref_logits, ref_loss = ref.eval()(idx[:, :-1], idx[:, 1:])
+    print(f"\nHD n={cfg.n_streams}, layout {cfg.layout}: loss {loss.item():.4f}; KV-mirror skip + fast paths vs "
+          f"all-stream dense reference: max |dlogits| = {(logits - ref_logits).abs().max().item():.2e}")
+    out = model.generate(idx[:1, :8], 12, temperature=0)
+    print(f"cached greedy decoding: {idx[0, :8].tolist()} -> {out[0, 8:].tolist()}")
