@@ -1,0 +1,372 @@
+"""Property tests of Hidden Decoding (hd.py): the specification in executable form.
+
+References: brute-force loops over the paper's definitions via i(t) = t // n, s(t) = t % n;
+the dense-mask path (SDPA with a boolean mask from the mask_mod); each stream run as its own
+sequence through the backbone; full forwards over each prefix.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from hd import HDConfig, HiddenDecoding, expand_streams, fold, full, intra, local, shared_intra, unfold
+from moe import KVCache, ModelConfig, Transformer, attend, dense_mask
+
+FAST = settings(max_examples=10, deadline=None)
+MASK_OF = {"F": full, "L": local, "I": intra, "S": shared_intra}  # S: I with shared KV
+
+
+def reference_allowed(kind, n, window, t, tp):
+    """May query row t attend to key row tp? Written from HD §2.2 (and our shared-KV rule)."""
+    i, s, ip, sp = t // n, t % n, tp // n, tp % n
+    if kind == "F":
+        return tp <= t
+    if kind == "L":
+        return t - window < tp <= t
+    if kind == "I":
+        return tp <= t and sp == s
+    return (ip < i and sp == 0) or tp == t  # shared KV: stream 0's rows of earlier tokens, and itself
+
+
+def hd_cfg(**kw):
+    base = dict(vocab_size=61, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8,
+                n_experts=4, top_k=2, expert_hidden=16, ffn_hidden=48, n_streams=2, layout="IFI", window=3)
+    base.update(kw)
+    return HDConfig(**base)
+
+
+def twin(model, **kw):
+    """The same weights under other HD settings (paths, skip, ...)."""
+    other = HiddenDecoding(HDConfig(**{**model.cfg.__dict__, "mirror_skip": None, **kw}))
+    other.load_state_dict(model.state_dict())
+    return other.train(model.training)
+
+
+layouts = st.integers(3, 6).flatmap(lambda L: st.text("FLI", min_size=L, max_size=L))
+
+
+@st.composite
+def hd_models(draw, **fixed):
+    layout = fixed.pop("layout", None) or draw(layouts)
+    kw = dict(n_layer=len(layout), layout=layout, n_streams=draw(st.integers(1, 4)),
+              window=draw(st.integers(1, 9)), kv_mirror=draw(st.booleans()),
+              positions=draw(st.sampled_from(["expanded", "token"])), n_experts=draw(st.sampled_from([0, 4])))
+    kw.update(fixed)
+    if kw.get("shared_kv") and "I" not in kw["layout"]:
+        kw["layout"] = "I" + kw["layout"][1:]
+    torch.manual_seed(draw(st.integers(0, 10_000)))
+    return HiddenDecoding(hd_cfg(**kw)).eval()
+
+
+# -----------------------------------------------------------------------------
+# the masks
+
+
+@FAST
+@given(kind=st.sampled_from("FLIS"), n=st.integers(1, 5), L=st.integers(1, 7), window=st.integers(1, 12))
+def test_mask_mods_equal_the_paper_definitions(kind, n, L, window):
+    t = torch.arange(n * L)
+    got = dense_mask(MASK_OF[kind](n, window), t, t)
+    ref = torch.tensor([[reference_allowed(kind, n, window, q, kv) for kv in range(n * L)] for q in range(n * L)])
+    assert torch.equal(got, ref)
+
+
+@FAST
+@given(n=st.integers(1, 4), L=st.integers(1, 8))
+def test_local_with_wide_window_is_full_and_n1_masks_are_causal(n, L):
+    t = torch.arange(n * L)
+    causal = torch.ones(n * L, n * L, dtype=torch.bool).tril()
+    assert torch.equal(dense_mask(local(n, n * L), t, t), causal)
+    assert torch.equal(dense_mask(full(n, 1), t, t), causal)
+    t1 = torch.arange(L)
+    for make in (intra, shared_intra):
+        assert torch.equal(dense_mask(make(1, 1), t1, t1), torch.ones(L, L, dtype=torch.bool).tril())
+
+
+@FAST
+@given(n=st.integers(1, 4), L=st.integers(1, 9), heads=st.sampled_from([(4, 2), (2, 2)]), seed=st.integers(0, 999))
+def test_intra_fold_equals_dense_mask_equals_independent_streams(n, L, heads, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, heads[0], n * L, 8, generator=g)
+    k, v = (torch.randn(2, heads[1], n * L, 8, generator=g) for _ in range(2))
+    t = torch.arange(n * L)
+    dense = attend(q, k, v, dense_mask(intra(n, 1), t, t))
+    f = lambda x: fold(x.transpose(1, 2), n).transpose(1, 2)  # fold works on (B, T, ...)
+    folded = unfold(attend(f(q), f(k), f(v), "causal").transpose(1, 2), n).transpose(1, 2)
+    separate = torch.empty_like(dense)
+    for s in range(n):  # every stream as its own causal sequence
+        separate[:, :, s::n] = attend(q[:, :, s::n], k[:, :, s::n], v[:, :, s::n], "causal")
+    torch.testing.assert_close(folded, dense, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(separate, dense, atol=1e-6, rtol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# the model against independent references
+
+
+@FAST
+@given(model=hd_models(layout="III", mirror_skip=False), L=st.integers(1, 8))
+def test_all_intra_model_runs_each_stream_as_its_own_sequence(model, L):
+    cfg, n = model.cfg, model.cfg.n_streams
+    idx = torch.randint(cfg.vocab_size, (2, L))
+    with torch.no_grad():
+        h = model.hidden(idx)
+        t = torch.arange(n * L)
+        pos = t if cfg.positions == "expanded" else t // n
+        for s in range(n):  # the backbone alone, on E_s[x] at that stream's positions
+            p = pos[s::n]
+            ref = model.backbone.run_blocks(model.tables[s](idx), lambda i, blk, x, kv_u: blk(x, p, "causal", kv_u=kv_u))
+            torch.testing.assert_close(h[:, s::n], ref, atol=1e-5, rtol=1e-5)
+
+
+@FAST
+@given(c=st.fixed_dictionaries(dict(n_layer=st.integers(3, 5), kv_mirror=st.booleans(), n_experts=st.sampled_from([0, 4]))),
+       seed=st.integers(0, 999), L=st.integers(1, 10))
+def test_n1_all_full_reproduces_the_backbone(c, seed, L):
+    torch.manual_seed(seed)
+    backbone = Transformer(ModelConfig(vocab_size=61, block_size=32, n_embd=32, n_head=6, n_kv_head=2, head_dim=8,
+                                       expert_hidden=16, ffn_hidden=48, **c)).eval()
+    model = expand_streams(backbone, 1).eval()
+    idx = torch.randint(61, (2, L + 1))
+    with torch.no_grad():
+        a, la = backbone(idx[:, :-1], idx[:, 1:])
+        b, lb = model(idx[:, :-1], idx[:, 1:])
+    torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lb, la, atol=1e-6, rtol=1e-6)
+
+
+@FAST
+@given(model=hd_models(mirror_skip=False), L=st.integers(1, 8), impl=st.sampled_from(["fast", "flex"]),
+       shared=st.booleans())
+def test_every_path_equals_the_dense_reference(model, L, impl, shared):
+    if shared and "I" not in model.cfg.layout:
+        shared = False
+    ref = twin(model, attn_impl="dense", shared_kv=shared)
+    other = twin(model, attn_impl=impl, shared_kv=shared)
+    idx = torch.randint(model.cfg.vocab_size, (2, L))
+    with torch.no_grad():
+        torch.testing.assert_close(other.hidden(idx), ref.hidden(idx), atol=2e-5, rtol=1e-5)
+
+
+@FAST
+@given(kind=st.sampled_from("FLIS"), n=st.integers(1, 3), L=st.integers(1, 5), window=st.integers(1, 6),
+       impl=st.sampled_from(["fast", "dense", "flex"]), data=st.data())
+def test_one_layer_black_box_changes_exactly_what_the_mask_allows(kind, n, L, window, impl, data):
+    torch.manual_seed(0)
+    layout = "I" if kind == "S" else kind
+    model = HiddenDecoding(hd_cfg(n_layer=1, layout=layout, kv_mirror=False, n_streams=n, window=window,
+                                  shared_kv=kind == "S", attn_impl=impl)).eval()
+    idx = torch.randint(61, (1, L))
+    j, s = data.draw(st.integers(0, L - 1)), data.draw(st.integers(0, n - 1))
+    row = j * n + s
+    bump = torch.zeros(1, n * L, 32)
+    bump[0, row] = 10 * torch.randn(32)
+    with torch.no_grad():
+        clean = model.hidden(idx)
+        h = model.backbone.blocks[0].register_forward_pre_hook(lambda mod, args: (args[0] + bump,) + args[1:])
+        try:
+            dirty = model.hidden(idx)
+        finally:
+            h.remove()
+    # MoE groups rows by expert, so a rerouted row may shift others by float rounding (~1e-10);
+    # a change through attention is >= 1e-4 here
+    changed = (dirty - clean).abs().amax(-1)[0] > 1e-7
+    allowed = torch.tensor([reference_allowed(kind, n, window, q, row) for q in range(n * L)])
+    assert torch.equal(changed, allowed)
+
+
+@FAST
+@given(model=hd_models(kv_mirror=True, objective="final"), L=st.integers(1, 7), shared=st.booleans())
+def test_mirror_skip_equals_running_every_stream(model, L, shared):
+    if shared and "I" not in model.cfg.layout:
+        shared = False
+    skip, ref = twin(model, mirror_skip=True, shared_kv=shared).train(), twin(model, mirror_skip=False, shared_kv=shared).train()
+    assert skip.cfg.mirror_skip and not ref.cfg.mirror_skip
+    idx = torch.randint(model.cfg.vocab_size, (2, L + 1))
+    a, la = skip(idx[:, :-1], idx[:, 1:])
+    b, lb = ref(idx[:, :-1], idx[:, 1:])
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(la, lb, atol=1e-6, rtol=1e-6)
+    la.backward()
+    lb.backward()
+    for (name, p), q in zip(skip.named_parameters(), ref.parameters()):
+        if q.grad is None:
+            assert p.grad is None or p.grad.abs().max() == 0, name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_mirror_skip_is_on_by_default_only_where_exact():
+    assert hd_cfg(kv_mirror=True).mirror_skip is True
+    assert hd_cfg(kv_mirror=False).mirror_skip is False
+    assert hd_cfg(kv_mirror=True, objective="sum").mirror_skip is False
+
+
+@pytest.mark.parametrize("objective", ["final", "all", "sum"])
+def test_objectives_equal_their_definitions(objective):
+    torch.manual_seed(0)
+    model = HiddenDecoding(hd_cfg(n_streams=3, objective=objective, kv_mirror=False))
+    idx = torch.randint(61, (2, 7))
+    x, y = idx[:, :-1], idx[:, 1:]
+    logits, loss = model(x, y)
+    h = model.hidden(x)  # (B, L*n, C): row t = i*n + k
+    head = lambda z: model.backbone.lm_head(model.backbone.norm_f(z))
+    ce = torch.nn.functional.cross_entropy
+    if objective == "final":
+        ref = ce(head(h[:, 2::3]).flatten(0, 1), y.flatten())
+    elif objective == "all":
+        ref = sum(ce(head(h[:, k::3]).flatten(0, 1), y.flatten()) for k in range(3)) / 3
+    else:
+        ref = ce(head(h[:, 0::3] + h[:, 1::3] + h[:, 2::3]).flatten(0, 1), y.flatten())
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
+    assert logits.shape == (2, 6, 61)
+
+
+# -----------------------------------------------------------------------------
+# progressive expansion
+
+
+@FAST
+@given(model=hd_models(positions="token", mirror_skip=False), L=st.integers(1, 8))
+def test_expansion_copies_tables_cyclically_and_all_intra_keeps_the_final_stream(model, L):
+    n = model.cfg.n_streams
+    model = twin(model, layout="I" * model.cfg.n_layer)
+    big = expand_streams(model, 2 * n).eval()
+    for k in range(2 * n):  # E_{n+k} <- E_k
+        assert torch.equal(big.tables[k].weight, model.tables[k % n].weight)
+    idx = torch.randint(model.cfg.vocab_size, (2, L))
+    with torch.no_grad():
+        torch.testing.assert_close(big(idx)[0], model(idx)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_expansion_from_an_n1_backbone_checkpoint():
+    torch.manual_seed(0)
+    backbone = Transformer(ModelConfig(vocab_size=61, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8,
+                                       n_experts=4, expert_hidden=16))
+    model = expand_streams(backbone, 2, layout="IFI")
+    assert model.cfg.n_streams == 2 and model.cfg.layout == "IFI"
+    for t in model.tables:
+        assert torch.equal(t.weight, backbone.wte.weight)
+    for name, p in model.backbone.named_parameters():
+        assert torch.equal(p, backbone.get_parameter(name))
+    other = Transformer(ModelConfig(vocab_size=61, n_layer=3, n_embd=48, n_head=6, n_kv_head=2, head_dim=8))
+    with pytest.raises(ValueError, match="n_embd"):
+        from hd import load_backbone
+        load_backbone(model, {k: v for k, v in other.state_dict().items() if not k.startswith("wte")}, other.cfg)
+    with pytest.raises(ValueError, match="multiple"):
+        expand_streams(model, 3)
+
+
+# -----------------------------------------------------------------------------
+# cached decoding
+
+
+@FAST
+@given(model=hd_models(), T=st.integers(1, 6), steps=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+       shared=st.booleans())
+def test_cached_decoding_equals_the_full_forward(model, T, steps, shared):
+    if shared and "I" in model.cfg.layout:
+        model = twin(model, shared_kv=True)
+    idx = torch.randint(model.cfg.vocab_size, (2, T + sum(steps)))
+    caches = [KVCache() for _ in model.backbone.blocks]
+    with torch.no_grad():
+        got, _ = model(idx[:, :T], caches=caches)
+        torch.testing.assert_close(got, model(idx[:, :T])[0], atol=1e-5, rtol=1e-5)
+        t = T
+        for k in steps:  # each step: k new tokens, i.e. k*n new rows
+            got, _ = model(idx[:, t:t + k], caches=caches)
+            torch.testing.assert_close(got, model(idx[:, :t + k])[0][:, t:], atol=1e-5, rtol=1e-5)
+            t += k
+    assert len(caches[0]) == t * model.cfg.n_streams  # every stream's rows are kept
+
+
+def test_greedy_generate_equals_argmax_of_full_forwards():
+    torch.manual_seed(0)
+    model = HiddenDecoding(hd_cfg(n_streams=3, layout="IFL")).eval()
+    idx = torch.randint(61, (2, 4))
+    out = model.generate(idx, 5, temperature=0)
+    ref = idx
+    with torch.no_grad():
+        for _ in range(5):
+            ref = torch.cat([ref, model(ref)[0][:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, ref)
+
+
+# -----------------------------------------------------------------------------
+# flex_attention
+
+
+def test_compiled_flex_forward_on_cpu_equals_dense_for_every_mask():
+    n, L, window = 3, 50, 7  # 150 rows: not a multiple of the 128 block
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, n * L, 16, generator=g)
+    k, v = (torch.randn(1, 2, n * L, 16, generator=g) for _ in range(2))
+    t = torch.arange(n * L)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    for kind, make in MASK_OF.items():
+        mod = make(n, window)
+        bm = create_block_mask(mod, None, None, n * L, n * L, device="cpu")
+        ref = attend(q, k, v, dense_mask(mod, t, t))
+        torch.testing.assert_close(flex_attention(q, k, v, block_mask=bm, enable_gqa=True), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(compiled(q, k, v, block_mask=bm, enable_gqa=True), ref, atol=1e-5, rtol=1e-5)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flex backward, compiled model)")
+
+
+@cuda
+@pytest.mark.parametrize("layout", ["FLI", "IIF", "LLL"])
+def test_cuda_flex_forward_and_backward_equal_dense(layout):
+    torch.manual_seed(0)
+    model = HiddenDecoding(hd_cfg(n_streams=4, layout=layout, window=5, kv_mirror=True)).cuda()
+    ref = twin(model, attn_impl="dense").cuda()
+    idx = torch.randint(61, (2, 20), device="cuda")
+    a, la = model(idx[:, :-1], idx[:, 1:])
+    b, lb = ref(idx[:, :-1], idx[:, 1:])
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    la.backward()
+    lb.backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
+
+
+@cuda
+def test_cuda_compiled_model_equals_eager():
+    torch.manual_seed(0)
+    model = HiddenDecoding(hd_cfg(n_streams=2, layout="FLI", moe_dispatch="loop")).cuda()
+    idx = torch.randint(61, (2, 16), device="cuda")
+    a, _ = model(idx)
+    b, _ = torch.compile(model)(idx)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# -----------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(n_streams=0), "n_streams"),
+    (dict(layout="IF"), "layout"),
+    (dict(layout="IFX"), "layout"),
+    (dict(window=0), "window"),
+    (dict(positions="rope"), "positions"),
+    (dict(objective="mean"), "objective"),
+    (dict(attn_impl="triton"), "attn_impl"),
+    (dict(layout="FFF", shared_kv=True), "shared_kv"),
+    (dict(objective="all", mirror_skip=True), "mirror_skip"),
+    (dict(objective="sum", mirror_skip=True), "mirror_skip"),
+    (dict(kv_mirror=False, mirror_skip=True), "mirror_skip"),
+])
+def test_bad_config_raises(kw, words):
+    with pytest.raises(ValueError, match=words):
+        hd_cfg(**kw)
+
+
+def test_too_long_sequence_raises():
+    model = HiddenDecoding(hd_cfg(block_size=8))
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="block_size"):
+        model.generate(torch.zeros(1, 5, dtype=torch.long), 4)
