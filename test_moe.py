@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 import moe
 from moe import KVCache, MoE, ModelConfig, Transformer, apply_rope, attend, causal, dense_mask
 
-FAST = settings(max_examples=12, deadline=None)
+FAST = settings(max_examples=25, deadline=None)
 
 
 def small_cfg(**kw):

@@ -1,0 +1,437 @@
+"""
+Think-at-Hard (TaH): selective latent iterations with duo-causal attention.
+
+Follows "Think-at-Hard: Selective Latent Iterations to Improve Reasoning Language Models"
+(../shared/papers/002_*, §4 and App. A) with the details of the authors' code recovered in
+../shared/notes/tah.md. Built on moe.py (dense or MoE backbone): the blocks run unchanged.
+
+Depths are 0-based here (the paper's d = 1 is depth 0). Token i runs D_i passes, depths
+0 .. D_i - 1; its state at depth d is (i, d).
+
+- Duo-causal attention (§4.1, Eq. 5): query (i, d) sees key (j, k) iff j <= i and k <= d, and
+  the key exists only if token j reached depth k (k < D_j). RoPE position of (i, d) is i. The
+  K/V of all depths are concatenated, so depth d of every token runs in parallel.
+- Depth-wise forward: depth 0 runs every token; depth d >= 1 runs only the tokens that go on,
+  gathered (left-packed per row), with one LoRA adapter switched on (§4.2, Eq. 6).
+- Next-iteration input: softmax over the top-k (100) of the running summed logits, times the
+  matching embedding rows (Eq. 4). Output logits: the sum over the depths a token ran.
+- Iteration decider: an MLP on hidden states of a few layers and the top-k logit values;
+  continue iff sigmoid > threshold and depth < max_depth.
+- Oracle labels (Eq. 7, App. A.2.1), stage-1 and stage-2 losses (§4.3), and cached decoding
+  where the decider sets each token's depth.
+
+Run `python tah.py` for a small demo: the duo-causal mask drawn, the four routing modes, and
+decoding with the decider.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask
+
+from moe import KVCache, ModelConfig, Transformer, sample
+
+MODES = ("standard", "always", "oracle", "decider")
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class TaHConfig(ModelConfig):
+    """The backbone's fields (moe.ModelConfig) plus:
+
+    max_depth:      most passes a token may run (the paper's d_max; 2 in all its recipes).
+    lora_rank:      rank r of the LoRA adapter active at depth >= 1.
+    lora_alpha:     LoRA scale numerator (the update is alpha / r * B A x).
+    topk:           logits kept for the next-iteration input and the decider (paper: 100).
+    threshold:      decider continues a token iff sigmoid(score) > threshold (paper: 0.9).
+    decider_layers: blocks whose output states feed the decider; () = first, middle, last.
+    decider_hidden: width of the decider MLP.
+    attention:      "duo" (Eq. 5), or the ablations "first_depth" (every depth reads depth-0
+                    keys only, the paper's Table 2 alternative) and "depth_local" (each depth
+                    reads keys of its own depth only, Eq. 3 of recurrent transformers).
+    gather:         True runs depth d >= 1 on gathered tokens only; False computes every token
+                    at every depth and masks (the reference the gathered path must equal).
+    attn_impl:      "dense" (SDPA with a boolean mask, any device) or "flex" (a BlockMask from
+                    the same mask_mod; on CPU forward only).
+    """
+
+    max_depth: int = 2
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    topk: int = 100
+    threshold: float = 0.9
+    decider_layers: tuple = ()
+    decider_hidden: int = 64
+    attention: str = "duo"
+    gather: bool = True
+    attn_impl: str = "dense"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.max_depth, int) or self.max_depth < 1:
+            raise ValueError(f"max_depth must be an int >= 1, got {self.max_depth!r}")
+        if self.lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1, got {self.lora_rank}")
+        if not 1 <= self.topk <= self.vocab_size:
+            raise ValueError(f"topk must be in [1, vocab_size={self.vocab_size}], got {self.topk}")
+        if not 0.0 < self.threshold < 1.0:
+            raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
+        self.decider_layers = tuple(self.decider_layers) or (0, self.n_layer // 2, self.n_layer - 1)
+        bad = [l for l in self.decider_layers if not 0 <= l < self.n_layer]
+        if bad:
+            raise ValueError(f"decider_layers {bad} do not exist (n_layer={self.n_layer})")
+        if self.decider_hidden < 1:
+            raise ValueError(f"decider_hidden must be >= 1, got {self.decider_hidden}")
+        if self.attention not in ("duo", "first_depth", "depth_local"):
+            raise ValueError(f"attention must be 'duo', 'first_depth' or 'depth_local', got {self.attention!r}")
+        if self.attn_impl not in ("dense", "flex"):
+            raise ValueError(f"attn_impl must be 'dense' or 'flex', got {self.attn_impl!r}")
+
+
+# -----------------------------------------------------------------------------
+# The mask: one mask_mod reading (position, depth) lookup tensors
+
+
+def duo_causal(q_pos, q_depth, kv_pos, kv_depth, kv_valid, attention="duo"):
+    """mask_mod over packed rows: query row q of batch b is state (q_pos[b,q], q_depth[b,q]),
+    key row kv is (kv_pos[b,kv], kv_depth[b,kv]) and exists iff kv_valid[b,kv].
+
+    The lookups are tensors, so flex_attention compiles once for every depth pattern.
+    """
+    def depth_rule(qd, kd):
+        if attention == "duo":
+            return kd <= qd  # Eq. 5: every shallower-or-equal depth
+        if attention == "first_depth":
+            return kd == 0
+        return kd == qd  # depth_local
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ((kv_pos[b, kv_idx] <= q_pos[b, q_idx])
+                & depth_rule(q_depth[b, q_idx], kv_depth[b, kv_idx]) & kv_valid[b, kv_idx])
+    return mask_mod
+
+
+def dense_batch_mask(mask_mod, B, Tq, Tk, device):
+    """(B, 1, Tq, Tk) boolean mask: the mask_mod evaluated on every (b, q, kv)."""
+    b = torch.arange(B, device=device)[:, None, None]
+    q = torch.arange(Tq, device=device)[None, :, None]
+    kv = torch.arange(Tk, device=device)[None, None, :]
+    return mask_mod(b, 0, q, kv)[:, None]
+
+
+# -----------------------------------------------------------------------------
+# LoRA (one adapter, shared by every depth >= 1)
+
+
+class LoRALinear(nn.Module):
+    """y = W x + (alpha / r) * B A x, the second term only while `active`. B starts at 0, so
+    the adapter starts as a no-op (Hu et al. 2022)."""
+
+    def __init__(self, base: nn.Linear, rank, alpha):
+        super().__init__()
+        self.base = base
+        self.A = nn.Parameter(torch.randn(rank, base.in_features) / math.sqrt(base.in_features))
+        self.B = nn.Parameter(torch.zeros(base.out_features, rank))
+        self.scale = alpha / rank
+        self.active = False
+
+    @property
+    def weight(self):
+        return self.base.weight
+
+    def forward(self, x):
+        y = self.base(x)
+        return y + self.scale * F.linear(F.linear(x, self.A), self.B) if self.active else y
+
+
+def add_lora(module, rank, alpha):
+    """Wrap every nn.Linear inside module (attention, gate, SwiGLU MLPs and the shared expert;
+    the MoE router and the stacked routed experts stay as they are)."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear) and name != "router":
+            setattr(module, name, LoRALinear(child, rank, alpha))
+        else:
+            add_lora(child, rank, alpha)
+
+
+# -----------------------------------------------------------------------------
+# Iteration decider
+
+
+class Decider(nn.Module):
+    """c_hat = sigmoid(MLP([h_l for l in layers] ++ W topk_values)), per state (§4.2)."""
+
+    def __init__(self, cfg: TaHConfig):
+        super().__init__()
+        C = cfg.n_embd
+        self.logit_proj = nn.Linear(cfg.topk, C)
+        self.mlp = nn.Sequential(
+            nn.Linear(C * (len(cfg.decider_layers) + 1), cfg.decider_hidden), nn.GELU(),
+            nn.Linear(cfg.decider_hidden, cfg.decider_hidden), nn.GELU(),
+            nn.Linear(cfg.decider_hidden, 1))
+
+    def forward(self, states, topk_values):
+        """states: list of (..., C); topk_values (..., topk) raw summed logits -> score (...)."""
+        return self.mlp(torch.cat(states + [self.logit_proj(topk_values)], dim=-1)).squeeze(-1)
+
+
+# -----------------------------------------------------------------------------
+# The model
+
+
+class TaHCache:
+    """Per-layer K/V of every (position, depth) state computed so far, with their lookups.
+    Rows are appended pass by pass; the mask reads positions and depths, not row order."""
+
+    def __init__(self, n_layer, B, device):
+        self.layers = [KVCache() for _ in range(n_layer)]
+        self.pos = torch.zeros(B, 0, dtype=torch.long, device=device)
+        self.depth = torch.zeros(B, 0, dtype=torch.long, device=device)
+        self.valid = torch.zeros(B, 0, dtype=torch.bool, device=device)
+        self.next_pos = 0  # position of the next token
+
+    def add(self, pos, depth, valid):
+        self.pos = torch.cat([self.pos, pos], 1)
+        self.depth = torch.cat([self.depth, depth], 1)
+        self.valid = torch.cat([self.valid, valid], 1)
+
+
+@dataclass
+class DepthPass:
+    """What one depth computed: query rows sel (B, Tq) token indices, valid (B, Tq), final
+    hidden states (B, Tq, C), decider features and scores where computed."""
+    depth: int
+    sel: torch.Tensor
+    valid: torch.Tensor
+    hidden: torch.Tensor
+    features: tuple = None
+    score: torch.Tensor = None
+
+
+@dataclass
+class TaHOutput:
+    logits: torch.Tensor  # (B, T, V) summed over the depths each token ran
+    loss: torch.Tensor  # CE of the summed logits, or None
+    depths: torch.Tensor  # (B, T) passes each token ran, in [1, max_depth]
+    first_logits: torch.Tensor  # (B, T, V) depth-0 logits (what Standard would predict)
+    passes: list = field(default_factory=list)
+
+
+class ThinkAtHard(nn.Module):
+    def __init__(self, cfg: TaHConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = Transformer(cfg)
+        add_lora(self.backbone.blocks, cfg.lora_rank, cfg.lora_alpha)
+        self.decider = Decider(cfg)
+
+    def set_lora(self, active):
+        for m in self.backbone.modules():
+            if isinstance(m, LoRALinear):
+                m.active = active
+
+    def next_input(self, summed_logits):
+        """Eq. 4 with the top-k only: softmax(top-k logits) @ E[top-k ids]."""
+        vals, ids = torch.topk(summed_logits.float(), self.cfg.topk, dim=-1)
+        w = F.softmax(vals, dim=-1).to(self.backbone.wte.weight.dtype)
+        return torch.einsum("...k,...kc->...c", w, self.backbone.wte(ids))
+
+    def forward(self, idx, targets=None, mode="standard", depths=None, cache=None, features=False):
+        """Depth-wise forward of idx (B, T) under a routing mode:
+        standard (every token 1 pass), always (max_depth), oracle (the given depths (B, T)),
+        decider (the decider decides after each pass). With a cache, idx continues it.
+        features=True keeps the decider's inputs for every pass (stage 2).
+        """
+        cfg = self.cfg
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        B, T = idx.shape
+        dev = idx.device
+        if mode == "oracle":
+            if depths is None or depths.shape != idx.shape:
+                raise ValueError("mode 'oracle' needs depths of the same shape as idx")
+            if depths.min() < 1 or depths.max() > cfg.max_depth:
+                raise ValueError(f"depths must be in [1, max_depth={cfg.max_depth}], got "
+                                 f"[{depths.min().item()}, {depths.max().item()}]")
+        want = {"standard": 1, "always": cfg.max_depth, "oracle": depths}.get(mode)
+        cache = cache or TaHCache(cfg.n_layer, B, dev)
+        start = cache.next_pos
+        if start + T > cfg.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={cfg.block_size}")
+        cache.next_pos += T
+
+        summed = first = None
+        ran = torch.zeros(B, T, dtype=torch.long, device=dev)
+        active = torch.ones(B, T, dtype=torch.bool, device=dev)  # tokens running this depth
+        passes = []
+        rows = torch.arange(B, device=dev)[:, None]
+        for d in range(cfg.max_depth):
+            if not active.any():
+                break
+            if cfg.gather or d == 0:  # left-pack each row's active tokens, in position order
+                n_act = active.sum(1)
+                sel = torch.argsort((~active).int(), dim=1, stable=True)[:, :int(n_act.max())]
+                valid = torch.arange(sel.size(1), device=dev) < n_act[:, None]
+            else:  # compute-everything-then-mask: every token runs, inactive rows are masked
+                sel, valid = torch.arange(T, device=dev).expand(B, T), active
+            x = self.backbone.wte(idx[rows, sel]) if d == 0 else self.next_input(summed[rows, sel])
+            q_pos, q_depth = start + sel, torch.full_like(sel, d)
+            cache.add(q_pos, q_depth, valid)
+            mod = duo_causal(q_pos, q_depth, cache.pos, cache.depth, cache.valid, cfg.attention)
+            if cfg.attn_impl == "flex":
+                mask = create_block_mask(mod, B, None, sel.size(1), cache.pos.size(1), device=dev)
+            else:
+                mask = dense_batch_mask(mod, B, sel.size(1), cache.pos.size(1), dev)
+
+            kept = {}
+
+            def layer(i, block, x, kv_u):
+                x, u = block(x, q_pos, mask, kv_u=kv_u, cache=cache.layers[i])
+                if i in cfg.decider_layers:
+                    kept[i] = x
+                return x, u
+            self.set_lora(d >= 1)  # Eq. 6: theta at depth 0, theta + Delta deeper
+            h = self.backbone.run_blocks(x, layer)
+            self.set_lora(False)
+            logits = self.backbone.lm_head(self.backbone.norm_f(h))  # (B, Tq, V)
+
+            b_i, t_i = rows.expand_as(sel)[valid], sel[valid]
+            base = logits.new_zeros(B, T, logits.size(-1)) if d == 0 else summed
+            summed = base.index_put((b_i, t_i), logits[valid], accumulate=True)  # residual over depths
+            first = summed if d == 0 else first
+            ran = ran.index_put((b_i, t_i), torch.full_like(t_i, d + 1))
+
+            p = DepthPass(d, sel, valid, h)
+            if mode == "decider" or features:
+                topv = torch.topk(summed[rows, sel].float(), cfg.topk, dim=-1).values
+                p.features = tuple(kept[l] for l in cfg.decider_layers) + (topv,)
+                if mode == "decider":
+                    p.score = self.decider(list(p.features[:-1]), p.features[-1])
+            passes.append(p)
+
+            # which tokens go on to depth d + 1
+            if d + 1 >= cfg.max_depth:
+                break
+            if mode == "decider":
+                go = torch.zeros(B, T, dtype=torch.bool, device=dev)
+                go = go.index_put((b_i, t_i), torch.sigmoid(p.score[valid]) > cfg.threshold)
+                active = go
+            else:
+                active = torch.as_tensor(want, device=dev).expand(B, T) > d + 1
+
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(summed.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return TaHOutput(summed, loss, ran, first, passes)
+
+    # -- training objectives (§4.3) -------------------------------------------------
+
+    def stage1_loss(self, idx, targets, depths):
+        """CE of each token's output at its oracle depth; backbone and LoRA train."""
+        return self(idx, targets, mode="oracle", depths=depths).loss
+
+    def stage2_loss(self, idx, depths, pos_weight=None):
+        """Decider BCE (class-weighted) on the oracle's continuation labels, backbone frozen.
+
+        The decision after pass d (0-based) of token i has label c = 1[D_i > d + 1]; decisions
+        exist for d < min(max_depth - 1, D_i). pos_weight (continue-class weight) defaults to
+        #stop / #continue over the batch, the paper's occurrence ratio.
+        """
+        with torch.no_grad():  # gradient reaches the decider only
+            out = self(idx, mode="oracle", depths=depths, features=True)
+        scores, labels = [], []
+        for p in out.passes[:self.cfg.max_depth - 1]:
+            feats = [f.detach()[p.valid] for f in p.features]
+            scores.append(self.decider(feats[:-1], feats[-1]))
+            labels.append((depths.gather(1, p.sel)[p.valid] > p.depth + 1).float())
+        scores, labels = torch.cat(scores), torch.cat(labels)
+        if pos_weight is None:
+            pos_weight = (labels == 0).sum().clamp(min=1) / (labels == 1).sum().clamp(min=1)
+        loss = F.binary_cross_entropy_with_logits(scores, labels, pos_weight=torch.as_tensor(pos_weight))
+        return loss, scores, labels
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, mode="decider"):
+        """Token-by-token decoding with a per-(layer, depth) cache; the decider (or another
+        routing mode) sets each token's depth. Returns (tokens (B, T + new), depths of every
+        token that entered the model (B, T + new - 1))."""
+        if idx.size(1) + max_new_tokens > self.cfg.block_size:
+            raise ValueError(f"prompt {idx.size(1)} + max_new_tokens {max_new_tokens} exceeds "
+                             f"block_size={self.cfg.block_size}")
+        if mode == "oracle":
+            raise ValueError("generate cannot use mode 'oracle': it needs the reference labels of unseen tokens")
+        cache = TaHCache(self.cfg.n_layer, idx.size(0), idx.device)
+        out = self(idx, mode=mode, cache=cache)
+        depths = [out.depths]
+        for step in range(max_new_tokens):
+            nxt = sample(out.logits[:, -1], temperature, top_k, generator)
+            idx = torch.cat([idx, nxt], dim=1)
+            if step + 1 < max_new_tokens:
+                out = self(nxt, mode=mode, cache=cache)
+                depths.append(out.depths)
+        return idx, torch.cat(depths, 1)
+
+
+# -----------------------------------------------------------------------------
+# Oracle labels (§4.3 Eq. 7; App. A.2.1 for max_depth > 2)
+
+
+def oracle_depths(ref_logits, targets, max_depth):
+    """Passes per token from a reference model: 1 if its top-1 prediction is the target, else
+    deeper. max_depth == 2: hard tokens get 2 (Eq. 7). max_depth > 2: hard tokens are split
+    into max_depth - 1 equal-count bins by reference CE, higher CE deeper (the authors'
+    original quantile binning). Targets of -1 (ignored) count as easy."""
+    hard = (ref_logits.argmax(-1) != targets) & (targets >= 0)
+    depths = torch.ones_like(targets)
+    if max_depth == 1 or not hard.any():
+        return depths
+    if max_depth == 2:
+        return depths + hard.long()
+    ce = F.cross_entropy(ref_logits.flatten(0, 1).float(), targets.flatten().clamp(min=0), reduction="none")
+    ce = ce.view_as(targets)[hard]
+    rank = ce.argsort().argsort()  # 0 = easiest hard token
+    bins = rank * (max_depth - 1) // ce.numel()  # 0 .. max_depth - 2, equal counts
+    depths[hard] = 2 + bins
+    return depths
+
+
+# -----------------------------------------------------------------------------
+
+
+def draw(depths):
+    """ASCII picture of the duo-causal mask for one row of per-token depths."""
+    D = torch.as_tensor(depths)
+    T = D.numel()
+    pos = torch.cat([torch.arange(T)[D > d] for d in range(int(D.max()))])
+    dep = torch.cat([torch.full((int((D > d).sum()),), d) for d in range(int(D.max()))])
+    mod = duo_causal(pos[None], dep[None], pos[None], dep[None], torch.ones(1, pos.numel(), dtype=torch.bool))
+    m = dense_batch_mask(mod, 1, pos.numel(), pos.numel(), "cpu")[0, 0]
+    names = [f"{p}.{d}" for p, d in zip(pos.tolist(), dep.tolist())]
+    lines = ["       " + " ".join(f"{n:>3}" for n in names)]
+    for q, n in enumerate(names):
+        lines.append(f"  {n:>4} " + " ".join("  #" if m[q, k] else "  ." for k in range(len(names))))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print("Duo-causal mask, depths per token [1, 2, 1, 2] (row i.d = token i at depth d):")
+    print(draw([1, 2, 1, 2]))
+    torch.manual_seed(0)
+    cfg = TaHConfig(vocab_size=128, n_experts=0, topk=16)
+    model = ThinkAtHard(cfg).eval()
+    idx = torch.randint(cfg.vocab_size, (2, 24))
+    x, y = idx[:, :-1], idx[:, 1:]
+    with torch.no_grad():
+        ref = model(x, mode="standard")
+        oracle = oracle_depths(ref.logits, y, cfg.max_depth)
+        for mode in MODES:
+            out = model(x, y, mode=mode, depths=oracle)
+            print(f"mode {mode:>8}: loss {out.loss.item():.4f}, tokens iterated "
+                  f"{(out.depths > 1).float().mean().item():.0%}")
+    tokens, depths = model.generate(idx[:1, :4], 12, temperature=0)
+    print(f"decoding with the decider: {tokens[0].tolist()}; tokens iterated: {int((depths > 1).sum())} of {depths.numel()}")

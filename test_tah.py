@@ -1,0 +1,399 @@
+"""Property tests of Think-at-Hard (tah.py): the specification in executable form.
+
+References: a brute-force loop over Eq. 5 plus the existence rule; token-by-token decoding;
+the compute-everything-then-mask path; the backbone alone; hand-computed labels and losses.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from tah import LoRALinear, TaHCache, TaHConfig, ThinkAtHard, dense_batch_mask, duo_causal, oracle_depths
+
+FAST = settings(max_examples=25, deadline=None)
+
+
+def tah_cfg(**kw):
+    base = dict(vocab_size=53, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8,
+                n_experts=0, top_k=2, expert_hidden=16, ffn_hidden=48, topk=8, decider_hidden=16, lora_rank=4)
+    base.update(kw)
+    return TaHConfig(**base)
+
+
+def make(seed=0, lora=True, **kw):
+    """A model whose LoRA is switched on with random weights, so depth >= 1 really differs."""
+    torch.manual_seed(seed)
+    model = ThinkAtHard(tah_cfg(**kw)).eval()
+    if lora:
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, LoRALinear):
+                    m.B.normal_(std=0.2)
+    return model
+
+
+def mixed_decider(model):
+    """Decider weights that send about half of the tokens on at threshold 0.5."""
+    with torch.no_grad():
+        model.decider.mlp[-1].weight.normal_(std=300.0)
+        scores = model(torch.randint(model.cfg.vocab_size, (4, 16)), mode="decider").passes[0].score
+        model.decider.mlp[-1].bias.sub_(scores.median())
+    return model
+
+
+def twin(model, **kw):
+    other = ThinkAtHard(TaHConfig(**{**model.cfg.__dict__, **kw}))
+    other.load_state_dict(model.state_dict())
+    return other.eval()
+
+
+configs = st.fixed_dictionaries(dict(
+    n_experts=st.sampled_from([0, 4]), kv_mirror=st.booleans(), max_depth=st.integers(2, 3),
+    attention=st.sampled_from(["duo", "duo", "first_depth", "depth_local"])))
+
+
+def random_depths(g, B, T, max_depth):
+    return torch.randint(1, max_depth + 1, (B, T), generator=g)
+
+
+# -----------------------------------------------------------------------------
+# the mask
+
+
+def states_of(depths):
+    """All (b, position, depth) states of a depth pattern, packed by depth as the forward does."""
+    B, T = depths.shape
+    pos, dep, val = [], [], []
+    for d in range(int(depths.max())):
+        act = depths > d
+        n = int(act.sum(1).max())
+        p = torch.zeros(B, n, dtype=torch.long)
+        v = torch.zeros(B, n, dtype=torch.bool)
+        for b in range(B):
+            ids = torch.nonzero(act[b]).flatten()
+            p[b, :len(ids)], v[b, :len(ids)] = ids, True
+        pos.append(p), dep.append(torch.full((B, n), d)), val.append(v)
+    return torch.cat(pos, 1), torch.cat(dep, 1), torch.cat(val, 1)
+
+
+@FAST
+@given(B=st.integers(1, 3), T=st.integers(1, 8), max_depth=st.integers(1, 4), seed=st.integers(0, 999))
+def test_duo_causal_mask_equals_eq5_with_existence_rule(B, T, max_depth, seed):
+    depths = random_depths(torch.Generator().manual_seed(seed), B, T, max_depth)
+    pos, dep, val = states_of(depths)
+    got = dense_batch_mask(duo_causal(pos, dep, pos, dep, val), B, pos.size(1), pos.size(1), "cpu")[:, 0]
+    for b in range(B):
+        for q in range(pos.size(1)):
+            for k in range(pos.size(1)):
+                i, d, j, kk = pos[b, q].item(), dep[b, q].item(), pos[b, k].item(), dep[b, k].item()
+                exists = val[b, k].item() and kk < depths[b, j].item()  # token j reached depth kk
+                assert got[b, q, k].item() == (j <= i and kk <= d and exists)
+
+
+@FAST
+@given(T=st.integers(1, 10))
+def test_all_depth_one_is_plain_causal(T):
+    pos, dep, val = states_of(torch.ones(1, T, dtype=torch.long))
+    got = dense_batch_mask(duo_causal(pos, dep, pos, dep, val), 1, T, T, "cpu")[0, 0]
+    assert torch.equal(got, torch.ones(T, T, dtype=torch.bool).tril())
+
+
+# -----------------------------------------------------------------------------
+# the model
+
+
+@FAST
+@given(c=configs, seed=st.integers(0, 999), T=st.integers(1, 12))
+def test_standard_mode_equals_the_backbone(c, seed, T):
+    model = make(seed, **c)
+    idx = torch.randint(53, (2, T))
+    with torch.no_grad():
+        out = model(idx, mode="standard")
+        torch.testing.assert_close(out.logits, model.backbone(idx)[0], atol=1e-5, rtol=1e-5)
+    assert (out.depths == 1).all()
+
+
+@FAST
+@given(c=configs, seed=st.integers(0, 999), T=st.integers(1, 9))
+def test_parallel_forward_equals_token_by_token_decoding(c, seed, T):
+    model = make(seed, **c)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(53, (2, T), generator=g)
+    depths = random_depths(g, 2, T, model.cfg.max_depth)
+    with torch.no_grad():
+        par = model(idx, mode="oracle", depths=depths)
+        cache = TaHCache(model.cfg.n_layer, 2, idx.device)
+        for t in range(T):
+            step = model(idx[:, t:t + 1], mode="oracle", depths=depths[:, t:t + 1], cache=cache)
+            torch.testing.assert_close(step.logits[:, 0], par.logits[:, t], atol=1e-5, rtol=1e-5)
+    assert torch.equal(par.depths, depths)
+
+
+@FAST
+@given(c=configs, seed=st.integers(0, 999), T=st.integers(1, 10), mode=st.sampled_from(["oracle", "decider", "always"]))
+def test_gathered_path_equals_compute_everything_then_mask(c, seed, T, mode):
+    model = mixed_decider(make(seed, threshold=0.5, **c))
+    ref = twin(model, gather=False)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(53, (2, T), generator=g)
+    depths = random_depths(g, 2, T, model.cfg.max_depth)
+    with torch.no_grad():
+        a, b = model(idx, mode=mode, depths=depths), ref(idx, mode=mode, depths=depths)
+    assert torch.equal(a.depths, b.depths)
+    torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+
+
+@FAST
+@given(seed=st.integers(0, 999), T=st.integers(2, 7), n_experts=st.sampled_from([0, 4]), data=st.data())
+def test_black_box_state_jk_changes_exactly_i_ge_j_and_d_ge_k(seed, T, n_experts, data):
+    model = make(seed, max_depth=3, n_experts=n_experts)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(53, (1, T), generator=g)
+    depths = random_depths(g, 1, T, 3)
+    j = data.draw(st.integers(0, T - 1))
+    k = data.draw(st.integers(0, depths[0, j].item() - 1))  # a state that exists
+
+    calls = []
+
+    def bump(mod, args):  # noise on the residual input of state (j, k), at the first block
+        d = len(calls)
+        calls.append(d)
+        if d != k:
+            return None
+        x = args[0].clone()
+        row = int((depths[0, :j] > k).sum())  # j's row among the tokens packed at depth k
+        x[0, row] += 10 * torch.randn(x.size(-1), generator=torch.Generator().manual_seed(1))
+        return (x,) + args[1:]
+    with torch.no_grad():
+        clean = model(idx, mode="oracle", depths=depths)
+        h = model.backbone.blocks[0].register_forward_pre_hook(bump)
+        try:
+            dirty = model(idx, mode="oracle", depths=depths)
+        finally:
+            h.remove()
+    for pc, pd in zip(clean.passes, dirty.passes):
+        for q in range(pc.sel.size(1)):
+            if not pc.valid[0, q]:
+                continue
+            i = pc.sel[0, q].item()
+            changed = (pd.hidden[0, q] - pc.hidden[0, q]).abs().max().item() > 1e-7  # above MoE rounding
+            assert changed == (i >= j and pc.depth >= k), (i, pc.depth, j, k)
+
+
+def test_lora_starts_as_a_no_op_and_is_active_only_at_depth_one_and_beyond():
+    base = torch.nn.Linear(8, 5)
+    lora = LoRALinear(base, rank=2, alpha=4.0)
+    x = torch.randn(3, 8)
+    lora.active = True
+    assert torch.equal(lora(x), base(x))  # B = 0 at the start
+    fresh = make(0, lora=False)
+    idx = torch.randint(53, (2, 9))
+    with torch.no_grad():
+        on = fresh(idx, mode="always")
+        off_lora = fresh.backbone(idx)[0]
+        trained = make(0, lora=True)  # same weights, LoRA moved away from zero
+        t = trained(idx, mode="always")
+    torch.testing.assert_close(t.first_logits, off_lora, atol=1e-5, rtol=1e-5)  # depth 0: no LoRA
+    assert not torch.allclose(t.logits, on.logits, atol=1e-4)  # depth 1 sees the adapter
+
+
+@FAST
+@given(seed=st.integers(0, 999))
+def test_next_input_with_topk_equal_vocab_is_full_softmax_mixture(seed):
+    model = make(seed, topk=53)
+    logits = torch.randn(2, 5, 53) * 3
+    ref = F.softmax(logits, -1) @ model.backbone.wte.weight
+    torch.testing.assert_close(model.next_input(logits), ref, atol=1e-5, rtol=1e-5)
+    small = make(seed, topk=3)  # top-k: the other rows get no weight
+    vals, ids = logits.topk(3, -1)
+    ref3 = torch.einsum("btk,btkc->btc", F.softmax(vals, -1), small.backbone.wte.weight[ids])
+    torch.testing.assert_close(small.next_input(logits), ref3, atol=1e-5, rtol=1e-5)
+
+
+def test_output_logits_are_the_sum_over_depths_run():
+    model = make(3, max_depth=3)
+    idx = torch.randint(53, (1, 6))
+    depths = torch.tensor([[1, 3, 2, 1, 3, 2]])
+    with torch.no_grad():
+        out = model(idx, mode="oracle", depths=depths)
+        total = torch.zeros_like(out.logits)
+        for p in out.passes:
+            lg = model.backbone.lm_head(model.backbone.norm_f(p.hidden))
+            for q in range(p.sel.size(1)):
+                if p.valid[0, q]:
+                    total[0, p.sel[0, q]] += lg[0, q]
+    torch.testing.assert_close(out.logits, total, atol=1e-5, rtol=1e-5)
+
+
+def test_deeper_inputs_mix_embeddings_by_running_summed_logits_at_the_token_position():
+    model = make(4, max_depth=3)
+    idx = torch.randint(53, (1, 6))
+    depths = torch.tensor([[3, 1, 2, 3, 1, 3]])
+    seen = []
+    h = model.backbone.blocks[0].register_forward_pre_hook(lambda mod, args: seen.append((args[0], args[1])))
+    with torch.no_grad():
+        out = model(idx, mode="oracle", depths=depths)
+    h.remove()
+    running = torch.zeros(6, 53)
+    for p, (x, pos) in zip(out.passes, seen):
+        tok = p.sel[0][p.valid[0]]
+        assert torch.equal(pos[0][p.valid[0]], tok)  # RoPE position of (i, d) is i
+        if p.depth == 0:
+            torch.testing.assert_close(x[0][p.valid[0]], model.backbone.wte(idx[0, tok]))
+        else:  # Eq. 4 on the logits summed over the depths run so far
+            torch.testing.assert_close(x[0][p.valid[0]], model.next_input(running[tok]), atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            running[tok] += model.backbone.lm_head(model.backbone.norm_f(p.hidden[0][p.valid[0]]))
+
+
+@pytest.mark.parametrize("bias, expect", [(20.0, 2), (-20.0, 1)])
+def test_decider_continues_iff_sigmoid_above_threshold(bias, expect):
+    model = make(0)
+    with torch.no_grad():
+        model.decider.mlp[-1].bias.fill_(bias)
+    out = model(torch.randint(53, (2, 7)), mode="decider")
+    assert (out.depths == expect).all()
+    model2 = mixed_decider(make(1, threshold=0.5))
+    with torch.no_grad():
+        out = model2(torch.randint(53, (2, 9)), mode="decider")
+    p0 = out.passes[0]
+    go = torch.sigmoid(p0.score) > 0.5
+    assert torch.equal(out.depths.gather(1, p0.sel) == 2, go & p0.valid)
+
+
+def test_decider_generation_equals_parallel_decider_forward():
+    model = mixed_decider(make(2, threshold=0.5))
+    prompt = torch.randint(53, (2, 4))
+    tokens, depths = model.generate(prompt, 8, temperature=0)
+    assert 0 < (depths > 1).sum() < depths.numel()  # some tokens iterate, some do not
+    with torch.no_grad():
+        par = model(tokens[:, :-1], mode="decider")
+    assert torch.equal(par.depths, depths)
+    assert torch.equal(par.logits[:, 3:].argmax(-1), tokens[:, 4:])
+
+
+# -----------------------------------------------------------------------------
+# oracle labels and training losses
+
+
+def test_oracle_labels_on_constructed_cases():
+    V = 5
+    targets = torch.tensor([[1, 2, 3, -1, 0]])
+    ref = torch.full((1, 5, V), -5.0)
+    for t, top in enumerate([1, 0, 3, 2, 4]):  # right, wrong, right, ignored, wrong
+        ref[0, t, top] = 5.0
+    assert oracle_depths(ref, targets, 2).tolist() == [[1, 2, 1, 1, 2]]
+    assert oracle_depths(ref, targets, 1).tolist() == [[1, 1, 1, 1, 1]]
+    # max_depth 3: the two hard tokens split by reference CE, the higher CE deeper
+    ref[0, 4, 0] = -9.0  # token 4's target is now much less likely than token 1's
+    assert oracle_depths(ref, targets, 3).tolist() == [[1, 2, 1, 1, 3]]
+    T = 40  # equal-count bins: 4 bins of 10 hard tokens
+    ref = torch.randn(1, T, V)
+    tgt = (ref.argmax(-1) + 1) % V  # every token hard
+    d = oracle_depths(ref, tgt, 5)
+    assert torch.bincount(d.flatten(), minlength=6)[2:].tolist() == [10, 10, 10, 10]
+    ce = F.cross_entropy(ref[0], tgt[0], reduction="none")
+    assert (ce[d[0] == 5].min() >= ce[d[0] == 4].max())
+
+
+def test_stage1_loss_is_ce_at_the_oracle_depth():
+    model = make(0)
+    idx = torch.randint(53, (2, 8))
+    depths = random_depths(torch.Generator().manual_seed(0), 2, 7, 2)
+    loss = model.stage1_loss(idx[:, :-1], idx[:, 1:], depths)
+    out = model(idx[:, :-1], mode="oracle", depths=depths)
+    torch.testing.assert_close(loss, F.cross_entropy(out.logits.flatten(0, 1), idx[:, 1:].flatten()))
+    loss.backward()
+    lora_grads = [m.B.grad for m in model.modules() if isinstance(m, LoRALinear)]
+    assert all(g is not None and g.abs().sum() > 0 for g in lora_grads)
+    assert model.backbone.wte.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("max_depth", [2, 3])
+def test_stage2_loss_trains_only_the_decider_on_oracle_labels(max_depth):
+    model = make(0, max_depth=max_depth).train()
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(53, (2, 9), generator=g)
+    depths = random_depths(g, 2, 9, max_depth)
+    loss, scores, labels = model.stage2_loss(idx, depths)
+    # labels by brute force: after pass d of token i (if it ran), continue iff D_i > d + 1
+    ref = [float(depths[b, i] > d + 1) for d in range(max_depth - 1)
+           for b in range(2) for i in range(9) if depths[b, i] > d]
+    assert labels.tolist() == ref
+    w = (labels == 0).sum() / (labels == 1).sum()
+    manual = -(w * labels * F.logsigmoid(scores) + (1 - labels) * F.logsigmoid(-scores)).mean()
+    torch.testing.assert_close(loss, manual)
+    loss.backward()
+    for name, p in model.named_parameters():
+        if name.startswith("decider."):
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+        else:
+            assert p.grad is None, name
+
+
+# -----------------------------------------------------------------------------
+# flex_attention
+
+
+@FAST
+@given(seed=st.integers(0, 999), T=st.integers(1, 10), max_depth=st.integers(2, 3))
+def test_flex_forward_on_cpu_equals_dense(seed, T, max_depth):
+    model = make(seed, max_depth=max_depth)
+    flex = twin(model, attn_impl="flex")
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(53, (2, T), generator=g)
+    depths = random_depths(g, 2, T, max_depth)
+    with torch.no_grad():
+        torch.testing.assert_close(flex(idx, mode="oracle", depths=depths).logits,
+                                   model(idx, mode="oracle", depths=depths).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flex backward)")
+def test_cuda_flex_forward_and_backward_equal_dense():
+    model = make(0, max_depth=3).cuda()
+    flex = twin(model, attn_impl="flex").cuda()
+    idx = torch.randint(53, (2, 20), device="cuda")
+    depths = torch.randint(1, 4, (2, 19), device="cuda")
+    a = flex.stage1_loss(idx[:, :-1], idx[:, 1:], depths)
+    b = model.stage1_loss(idx[:, :-1], idx[:, 1:], depths)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    a.backward()
+    b.backward()
+    for p, q in zip(flex.parameters(), model.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
+
+
+# -----------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(threshold=0.0), "threshold"),
+    (dict(threshold=1.0), "threshold"),
+    (dict(topk=54), "topk"),
+    (dict(decider_layers=(0, 3)), "decider_layers"),
+    (dict(decider_layers=(-1,)), "decider_layers"),
+    (dict(max_depth=0), "max_depth"),
+    (dict(attention="full"), "attention"),
+    (dict(attn_impl="fast"), "attn_impl"),
+])
+def test_bad_config_raises(kw, words):
+    with pytest.raises(ValueError, match=words):
+        tah_cfg(**kw)
+
+
+def test_bad_call_raises():
+    model = make(0)
+    idx = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="depths"):
+        model(idx, mode="oracle", depths=torch.tensor([[1, 2, 3, 1]]))
+    with pytest.raises(ValueError, match="depths"):
+        model(idx, mode="oracle", depths=torch.tensor([[0, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="depths"):
+        model(idx, mode="oracle")
+    with pytest.raises(ValueError, match="mode"):
+        model(idx, mode="sometimes")
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 33, dtype=torch.long))
