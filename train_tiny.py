@@ -169,7 +169,7 @@ class Arith:
 def atomic(path, write):
     """Write through a temporary file and rename: a killed run never leaves half a file."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: DDP ranks may race
     with open(tmp, "wb") as f:
         write(f)
     os.replace(tmp, path)
@@ -632,7 +632,7 @@ def main(argv=None):
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
+        probe = out / f".write_test_{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:

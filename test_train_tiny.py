@@ -1,0 +1,158 @@
+"""Tests of train_tiny.py: data round-trips, exact resume, DDP equivalence, every suite's smoke run."""
+
+import os
+import re
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import train_tiny as tt
+from moe import ModelConfig, Transformer
+
+HERE = Path(__file__).parent
+
+
+# -----------------------------------------------------------------------------
+# data
+
+
+def test_text_round_trips_through_bpe_and_compact_ids(tmp_path):
+    text = "When shall we three meet again\nIn thunder, lightning, or in rain?\n" * 3
+    data = tt.TextData(text, tmp_path / "t.npz")
+    ids = tt.load_bpe().encode_ordinary(text)
+    assert data.vocab[data.tokens].tolist() == ids  # compact id -> BPE id
+    assert data.vocab_size == len(set(ids)) == data.tokens.max() + 1
+    assert data.decode(data.tokens) == text
+    assert data.decode(data.encode("When shall we three meet again")) == "When shall we three meet again"
+    cached = tt.TextData(text, tmp_path / "t.npz")  # read back from the token file
+    assert np.array_equal(cached.tokens, data.tokens) and np.array_equal(cached.vocab, data.vocab)
+    with pytest.raises(ValueError, match="vocabulary"):
+        data.encode("zebra")
+
+
+def test_clean_play_removes_the_markdown():
+    md = "# Macbeth\n\n## ACT I\n\n_Thunder. Enter three\nWitches_\n\n**First Witch**  \nWhen shall we \\*three\\* meet?  \n"
+    out = tt.clean_play(md)
+    assert out == "Macbeth\n\nACT I\n\nThunder. Enter three\nWitches\n\nFirst Witch:\nWhen shall we three meet?\n"
+
+
+def test_shakespeare_comes_from_the_package_with_a_checked_tokenizer(tmp_path):
+    data = tt.shakespeare(tmp_path, ("macbeth",))
+    assert 20_000 < len(data.tokens) < 40_000
+    assert "Fair is foul, and foul is fair" in data.decode(data.tokens[:2000])
+
+
+@settings(max_examples=25, deadline=None)
+@given(digits=st.integers(1, 5), seed=st.integers(0, 10_000), T=st.integers(8, 80))
+def test_arith_answers_are_correct_by_construction(digits, seed, T):
+    task = tt.Arith(digits)
+    x, y = task.batch("train", 3, T, torch.Generator().manual_seed(seed))
+    assert x.shape == y.shape == (3, T)
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        text = task.decode(row_x)
+        for m in re.finditer(r"(\d+)\+(\d+)=(\d+);", text):
+            a, b, c = m.groups()
+            if m.end() <= T and len(c) == digits + 1:
+                assert int(a) + int(b) == int(c)
+        # targets: the next token where it is an answer digit, -1 elsewhere
+        nxt = row_x[1:] + [None]
+        for t, target in enumerate(row_y):
+            pos = (t + 1) % task.problem_len
+            is_answer = 2 * digits + 2 <= pos < 3 * digits + 3
+            assert (target != -1) == is_answer
+            if is_answer and nxt[t] is not None:
+                assert target == nxt[t]
+
+
+# -----------------------------------------------------------------------------
+# trainer
+
+
+def small(seed=0):
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(vocab_size=13, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
+                                   head_dim=8, n_experts=4, expert_hidden=16))
+
+
+def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path):
+    P = tt.Preset(block=16, batch=4, iters=6, warmup=2, lr=3e-3)
+    data = tt.Arith(2)
+    args = lambda d: Namespace(device="cpu", run_dir=d, muon=False, accum=2, log_every=100, ckpt_every=1)
+    straight = tt.train("arm", small(), tt.lm_loss, data, P, args(tmp_path / "a"), seed=3)
+
+    class Killed(Exception):
+        pass
+
+    def kill(step):
+        if step == 3:
+            raise Killed
+    with pytest.raises(Killed):
+        tt.train("arm", small(), tt.lm_loss, data, P, args(tmp_path / "b"), seed=3, on_step=kill)
+    resumed = tt.train("arm", small(seed=99), tt.lm_loss, data, P, args(tmp_path / "b"), seed=3)
+    assert len(resumed) == 6
+    assert resumed == straight  # bit for bit on CPU
+
+
+def test_two_process_ddp_equals_one_process_with_the_same_global_batch(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    common = ["--smoke", "--suite", "moe", "--device", "cpu"]
+    one = subprocess.run([sys.executable, "train_tiny.py", *common, "--accum", "2", "--out", str(tmp_path / "one")],
+                         cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "train_tiny.py", *common, "--out", str(tmp_path / "two")],
+                         cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-2000:]
+    ck1 = sorted((tmp_path / "one").glob("run-*/ckpt/*.pt"))
+    ck2 = sorted((tmp_path / "two").glob("run-*/ckpt/*.pt"))
+    assert [p.name for p in ck1] == [p.name for p in ck2] and ck1
+    for a, b in zip(ck1, ck2):
+        la = torch.load(a, weights_only=False)["losses"]
+        lb = torch.load(b, weights_only=False)["losses"]
+        np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-6)
+
+
+def test_smoke_runs_every_suite_and_writes_results(tmp_path):
+    tt.main(["--smoke", "--out", str(tmp_path)])
+    md = (tmp_path / "results.md").read_text()
+    for effect in ("HD: expansion factor n", "HD: stream-factorized layouts", "HD: training objective",
+                   "HD: per-stream vs shared KV", "HD: progressive expansion", "TaH: routing",
+                   "TaH: duo-causal vs ablations", "MoE: loss-free balancing", "MoE: KV-Mirror"):
+        assert effect in md, effect
+    assert (tmp_path / "results.json").exists()
+    tt.main(["--smoke", "--out", str(tmp_path)])  # a second run finds every suite done
+    assert (tmp_path / "results.md").read_text().split("\n", 1)[1] == md.split("\n", 1)[1]
+
+
+# -----------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--suite", "nope"], "unknown suite"),
+    (["--seeds", "0"], "--seeds"),
+    (["--iters", "-3"], "--iters"),
+    (["--frobnicate"], "unrecognized"),
+    (["--data", "/no/such/file.txt"], "no such file"),
+])
+def test_bad_arguments_exit_with_one_clear_message(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        tt.parse(argv)
+    assert e.value.code != 0
+    assert words in capsys.readouterr().err
+
+
+def test_unwritable_output_and_missing_package_fail_clearly(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit, match="not writable"):
+        tt.main(["--smoke", "--out", str(blocker / "sub")])
+    with pytest.raises(SystemExit, match="not installed"):
+        tt.package_dir("no_such_package_here")
