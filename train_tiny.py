@@ -194,7 +194,7 @@ class Preset:
     window: int = 16
     block: int = 64  # tokens per sequence
     batch: int = 8  # global batch, sequences
-    iters: int = 200
+    iters: int = 250
     lr: float = 3e-3
     warmup: int = 20
     eval_batches: int = 8
@@ -205,9 +205,9 @@ class Preset:
 
 PRESETS = {
     "cpu": Preset(),
-    "gpu": Preset(n_layer=12, n_embd=256, n_head=24, n_kv_head=4, head_dim=32, n_experts=16, top_k=2,
-                  expert_hidden=256, ffn_hidden=768, layout="IIIFIIIILIIF", window=64, block=256,
-                  batch=64, iters=1500, lr=2e-3, warmup=100, eval_batches=32, digits=6, seeds=3, plays=()),
+    "gpu": Preset(n_layer=8, n_embd=192, n_head=18, n_kv_head=3, head_dim=32, n_experts=16, top_k=2,
+                  expert_hidden=192, ffn_hidden=576, layout="IIFIILII", window=64, block=128,
+                  batch=32, iters=600, lr=2e-3, warmup=50, eval_batches=16, digits=6, seeds=3, plays=()),
     "smoke": Preset(n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8, n_experts=4, expert_hidden=32,
                     ffn_hidden=64, layout="IFL", window=8, block=32, batch=4, iters=4, warmup=2,
                     eval_batches=1, digits=2, seeds=1, plays=("macbeth",)),

@@ -1,0 +1,12 @@
+"""bench.py --quick runs every CPU section end to end (the numbers are not asserted: timing
+belongs in a benchmark, not a test)."""
+
+import bench
+
+
+def test_quick_bench_prints_every_section(capsys):
+    bench.main(["--quick", "--repeats", "1"])
+    out = capsys.readouterr().out
+    for title in ("1. Attention alone", "2. HD training step", "3. KV-mirror final-stream skip", "4. TaH"):
+        assert title in out, title
+    assert "x |" in out  # ratios were printed
