@@ -277,7 +277,8 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
     micro = P.batch // (WORLD * args.accum)
     if micro < 1 or P.batch % (WORLD * args.accum):
         raise SystemExit(f"error: batch {P.batch} does not split into {WORLD} ranks x {args.accum} micro-steps")
-    autocast = torch.autocast("cuda", torch.bfloat16) if dev == "cuda" else contextlib.nullcontext()
+    autocast = torch.autocast("cuda", torch.bfloat16) if dev.startswith("cuda") else contextlib.nullcontext()
+    fwd_model = torch.compile(model) if getattr(args, "compile", False) else model  # shares the weights
     t0 = time.perf_counter()
     for it in range(start, P.iters):
         for o in opts:
@@ -288,7 +289,7 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
         for m in range(args.accum):
             lo = (m * WORLD + RANK) * micro  # this rank's rows of the global batch
             with autocast:
-                loss = loss_fn(model, x[lo:lo + micro].to(dev), y[lo:lo + micro].to(dev)) / args.accum
+                loss = loss_fn(fwd_model, x[lo:lo + micro].to(dev), y[lo:lo + micro].to(dev)) / args.accum
             loss.backward()
             total += loss.item()
         if DDP:
@@ -313,7 +314,7 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
             dt = (time.perf_counter() - t0) / (done - start)
             tok = P.batch * P.block / dt
             mfu = ""
-            if dev == "cuda":  # 6 N FLOPs per token, against an H100/H200's 989 TFLOP/s bf16
+            if dev.startswith("cuda"):  # 6 N FLOPs per token, against an H100/H200's 989 TFLOP/s bf16
                 n = sum(p.numel() for p in model.parameters())
                 mfu = f" | mfu {6 * n * tok / 989e12:.2%}"
             log(f"[{name} s{seed}] step {done}/{P.iters} | loss {total:.4f} | {dt * 1e3:.0f} ms/step | "
@@ -329,14 +330,14 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
 
 
 @torch.no_grad()
-def evaluate(model, data, P, args, seed, fwd=None):
+def evaluate(model, data, P, args, fwd=None):
     """Held-out loss and accuracy of the next-token prediction (targets != -1 only), over the
-    same fixed validation batches for every arm. fwd(model, x, y) -> (logits, loss)."""
+    same fixed validation batches for every arm and seed. fwd(model, x, y) -> (logits, loss)."""
     model.eval()
     fwd = fwd or (lambda m, x, y: m(x, y)[:2])
     losses, hits, count = [], 0, 0
     for k in range(P.eval_batches):
-        x, y = data.batch("val", P.batch, P.block, batch_gen(seed + 7919, k, "val"))
+        x, y = data.batch("val", P.batch, P.block, batch_gen(7919, k, "val"))  # one held-out set for every seed
         x, y = x.to(args.device), y.to(args.device)
         logits, loss = fwd(model, x, y)
         losses.append(loss.item())
@@ -371,7 +372,7 @@ def suite_hd(P, args, seed, data, full):
         torch.manual_seed(seed)
         model = HiddenDecoding(HDConfig(**backbone_cfg(P, V, **{"layout": P.layout, "window": P.window, **kw}))).to(args.device)
         train(f"hd/{arm}", model, lm_loss, data, P, args, seed)
-        r = evaluate(model, data, P, args, seed)
+        r = evaluate(model, data, P, args)
         rows.extend([dict(effect=effect, arm=arm, metric=m, seed=seed, value=v) for m, v in r.items()])
         return model
 
@@ -393,16 +394,16 @@ def suite_hd(P, args, seed, data, full):
     torch.manual_seed(seed)
     base = HiddenDecoding(HDConfig(**backbone_cfg(P, V, layout=P.layout, window=P.window, n_streams=1))).to(args.device)
     train("hd/progressive-stage1", base, lm_loss, data, half, args, seed)
-    r0 = evaluate(base, data, P, args, seed)
+    r0 = evaluate(base, data, P, args)
     grown = expand_streams(base, 2).to(args.device)
-    r1 = evaluate(grown, data, P, args, seed)
+    r1 = evaluate(grown, data, P, args)
     cont = copy.deepcopy(base)
     shifted = replace(half, warmup=0)
     train("hd/progressive-n2", grown, lm_loss, ShiftedData(data, half.iters), shifted, args, seed)
     train("hd/progressive-n1", cont, lm_loss, ShiftedData(data, half.iters), shifted, args, seed)
     for arm, r in [("n=1 at half budget", r0), ("expanded to n=2, before training", r1),
-                   ("n=1 -> 2, trained on", evaluate(grown, data, P, args, seed)),
-                   ("n=1 throughout", evaluate(cont, data, P, args, seed))]:
+                   ("n=1 -> 2, trained on", evaluate(grown, data, P, args)),
+                   ("n=1 throughout", evaluate(cont, data, P, args))]:
         rows.extend([dict(effect="HD: progressive expansion", arm=arm, metric=m, seed=seed, value=v) for m, v in r.items()])
     return rows
 
@@ -476,7 +477,7 @@ def suite_tah(P, args, seed, data, full):
     base_preds = None
     for arm, mode in evals:
         fwd = routed(arm, mode)
-        r = evaluate(models[arm], data, P, args, seed, fwd)
+        r = evaluate(models[arm], data, P, args, fwd)
         label = arm if arm == "Standard" or arm == "AlwaysThink" else f"{arm} ({mode} routing)"
         r["iterated"] = float(np.mean(fwd.iterated))
         if mode == "decider":
@@ -508,7 +509,7 @@ def suite_moe(P, args, seed, data, full):
             load = model.expert_load().float()
             imbalance.append((load.max(1).values / load.mean(1)).mean().item())
         train(f"moe/{arm}", model, lm_loss, data, P, args, seed, on_step=watch)
-        r = evaluate(model, data, P, args, seed)
+        r = evaluate(model, data, P, args)
         if imbalance:  # steps run in this process (a resumed arm records only its tail)
             r["max/mean expert load, last 20% of steps"] = float(np.mean(imbalance[-max(1, len(imbalance) // 5):]))
         effect = "MoE: KV-Mirror" if "Mirror" in arm else "MoE: loss-free balancing"
@@ -539,27 +540,38 @@ PAPER = {
 
 
 def summarize(rows):
-    """Group rows into (effect, arm, metric) -> mean, std, n over seeds."""
-    groups = {}
+    """Group rows into (effect, arm, metric) -> mean, std over seeds, and the difference to the
+    effect's first arm paired by seed (same seed = same init and batches, so the pairing
+    removes most of the seed-to-seed spread)."""
+    groups, first_arm = {}, {}
     for r in rows:
-        groups.setdefault((r["effect"], r["arm"], r["metric"]), []).append(r["value"])
+        groups.setdefault((r["effect"], r["arm"], r["metric"]), {})[r["seed"]] = r["value"]
+        first_arm.setdefault(r["effect"], r["arm"])
     out = []
-    for (effect, arm, metric), vals in groups.items():
-        v = np.array(vals, dtype=float)
-        out.append(dict(effect=effect, arm=arm, metric=metric, mean=float(v.mean()),
-                        std=float(v.std(ddof=1)) if len(v) > 1 else 0.0, n=len(v), values=vals))
+    for (effect, arm, metric), by_seed in groups.items():
+        v = np.array(list(by_seed.values()), dtype=float)
+        s = dict(effect=effect, arm=arm, metric=metric, mean=float(v.mean()),
+                 std=float(v.std(ddof=1)) if len(v) > 1 else 0.0, n=len(v), values=by_seed)
+        ref = groups.get((effect, first_arm[effect], metric))
+        if arm != first_arm[effect] and ref:
+            d = np.array([by_seed[k] - ref[k] for k in by_seed if k in ref], dtype=float)
+            if len(d):
+                s["delta_mean"], s["delta_std"] = float(d.mean()), float(d.std(ddof=1)) if len(d) > 1 else 0.0
+        out.append(s)
     return out
 
 
 def table(summary, header):
-    lines = [header, "", "| effect | arm | metric | mean ± std (seeds) | paper |", "|---|---|---|---|---|"]
+    lines = [header, "", "| effect | arm | metric | mean ± std (seeds) | Δ vs first arm, paired by seed | paper |",
+             "|---|---|---|---|---|---|"]
     last = None
     for s in summary:
         paper = next((v for k, v in PAPER.items() if s["effect"].startswith(k)), "")
         fmt = (lambda x: f"{x:.0f}") if "corr" in s["metric"] else (lambda x: f"{x:.4f}")
         cell = f"{fmt(s['mean'])} ± {fmt(s['std'])} ({s['n']})"
+        delta = f"{s['delta_mean']:+.4f} ± {s['delta_std']:.4f}" if "delta_mean" in s and "corr" not in s["metric"] else ""
         first = s["effect"] != last
-        lines.append(f"| {s['effect'] if first else ''} | {s['arm']} | {s['metric']} | {cell} | {paper if first else ''} |")
+        lines.append(f"| {s['effect'] if first else ''} | {s['arm']} | {s['metric']} | {cell} | {delta} | {paper if first else ''} |")
         last = s["effect"]
     return "\n".join(lines)
 
@@ -598,6 +610,7 @@ def parse(argv):
     ap.add_argument("--iters", type=int, help="steps per arm (default: the preset's)")
     ap.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-steps")
     ap.add_argument("--muon", action="store_true", help="Muon for 2-D weights in the blocks")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the models (CUDA)")
     ap.add_argument("--out", default="out", help="folder for results, checkpoints and the token cache")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--ckpt-every", type=int, default=50)
