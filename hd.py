@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from moe import KVCache, ModelConfig, Transformer, dense_mask, sample
+from moe import ModelConfig, Transformer, cached_generate, dense_mask
 
 # -----------------------------------------------------------------------------
 # Config
@@ -249,20 +249,11 @@ class HiddenDecoding(nn.Module):
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
         return logits, loss
 
-    @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Cached decoding (HD §3.2): each new token enters as its n stream rows in one step;
-        all n rows are cached in every layer; the final stream's logits pick the next token."""
-        if idx.size(1) + max_new_tokens > self.cfg.block_size:
-            raise ValueError(f"prompt {idx.size(1)} + max_new_tokens {max_new_tokens} exceeds "
-                             f"block_size={self.cfg.block_size}")
-        caches = [KVCache() for _ in self.backbone.blocks]
-        logits, _ = self(idx, caches=caches)
-        for _ in range(max_new_tokens):
-            nxt = sample(logits[:, -1], temperature, top_k, generator)
-            idx = torch.cat([idx, nxt], dim=1)
-            logits, _ = self(nxt, caches=caches)
-        return idx
+        """Cached decoding (HD §3.2): each new token enters as its n stream rows in one step
+        (forward does that); all n rows are cached in every layer; the final stream's logits
+        pick the next token."""
+        return cached_generate(self, idx, max_new_tokens, temperature, top_k, generator)
 
 
 # -----------------------------------------------------------------------------

@@ -406,19 +406,24 @@ class Transformer(nn.Module):
         loads = [m.update_bias(gamma) for m in self.moe_layers()]
         return torch.stack(loads) if loads else torch.zeros(0, 0)
 
-    @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Sample max_new_tokens after idx (B, T) with a KV cache; temperature 0 is greedy."""
-        if idx.size(1) + max_new_tokens > self.cfg.block_size:
-            raise ValueError(f"prompt {idx.size(1)} + max_new_tokens {max_new_tokens} exceeds "
-                             f"block_size={self.cfg.block_size}")
-        caches = [KVCache() for _ in self.blocks]
-        logits, _ = self(idx, caches=caches)
-        for _ in range(max_new_tokens):
-            nxt = sample(logits[:, -1], temperature, top_k, generator)
-            idx = torch.cat([idx, nxt], dim=1)
-            logits, _ = self(nxt, caches=caches)
-        return idx
+        return cached_generate(self, idx, max_new_tokens, temperature, top_k, generator)
+
+@torch.no_grad()
+def cached_generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+    """Sample max_new_tokens after idx (B, T) with one KV cache per layer; temperature 0 is
+    greedy. Serves any model whose forward(idx, caches=...) continues its caches (moe, hd)."""
+    if idx.size(1) + max_new_tokens > model.cfg.block_size:
+        raise ValueError(f"prompt {idx.size(1)} + max_new_tokens {max_new_tokens} exceeds "
+                         f"block_size={model.cfg.block_size}")
+    caches = [KVCache() for _ in range(model.cfg.n_layer)]
+    logits, _ = model(idx, caches=caches)
+    for _ in range(max_new_tokens):
+        nxt = sample(logits[:, -1], temperature, top_k, generator)
+        idx = torch.cat([idx, nxt], dim=1)
+        logits, _ = model(nxt, caches=caches)
+    return idx
 
 
 def sample(logits, temperature=1.0, top_k=None, generator=None):

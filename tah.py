@@ -218,7 +218,7 @@ class TaHOutput:
     logits: torch.Tensor  # (B, T, V) summed over the depths each token ran
     loss: torch.Tensor  # CE of the summed logits, or None
     depths: torch.Tensor  # (B, T) passes each token ran, in [1, max_depth]
-    first_logits: torch.Tensor  # (B, T, V) depth-0 logits (what Standard would predict)
+    first_logits: torch.Tensor  # (B, T, V) logits of the first pass (depth 0) alone
     passes: list = field(default_factory=list)
 
 
