@@ -583,15 +583,24 @@ def plot(run_dir, out_dir):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    curves = {}
+    curves = {}  # (suite, arm) -> per-seed loss lists
     for f in sorted((run_dir / "ckpt").glob("*.pt")):
-        curves[f.stem] = torch.load(f, map_location="cpu", weights_only=False)["losses"]
-    fig, ax = plt.subplots(figsize=(9, 5))
-    for k, v in curves.items():
-        ax.plot(np.convolve(v, np.ones(10) / 10, mode="valid"), label=k, lw=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss (10-step mean)")
-    ax.legend(fontsize=5, ncol=2)
+        arm, _ = f.stem.rsplit("_s", 1)
+        suite, arm = arm.split("_", 1)
+        curves.setdefault((suite, arm), []).append(torch.load(f, map_location="cpu", weights_only=False)["losses"])
+    suites = sorted({s for s, _ in curves})
+    fig, axes = plt.subplots(1, len(suites), figsize=(5 * len(suites), 4), squeeze=False)
+    for ax, suite in zip(axes[0], suites):
+        for (s, arm), runs in curves.items():
+            if s == suite:
+                mean = np.mean([r[:min(map(len, runs))] for r in runs], axis=0)  # mean over seeds
+                label = f"{arm} (stage-2 BCE)" if arm == "decider" else arm
+                ax.plot(np.convolve(mean, np.ones(10) / 10, mode="valid"), label=label, lw=1)
+        ax.set_title(suite)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("train loss (mean over seeds, 10-step mean)")
+    fig.tight_layout()
     path = out_dir / "loss_curves.png"
     fig.savefig(path, dpi=120)
     return path
