@@ -206,8 +206,8 @@ class HiddenDecoding(nn.Module):
                 # and only final-stream rows carry a loss, so only they go on from here.
                 if x.size(1) == t.numel():
                     x = x[:, final]
-                if kind == "I" and not cfg.shared_kv and cache is None:
-                    # final stream attends to itself only: causal over its own rows
+                if kind == "I" and not cfg.shared_kv and cfg.attn_impl == "fast" and cache is None:
+                    # the final stream attends to itself only: causal over its own rows
                     return block(x, pos[final], "causal", kv_u=kv_u[:, final], kv_pos=pos[final])
                 return block(x, pos[final], mask_for(i, t[final], True), kv_u=kv_u, kv_pos=pos, cache=cache)
             if kind == "F" and cfg.attn_impl == "fast" and cache is None:

@@ -177,11 +177,13 @@ def test_one_layer_black_box_changes_exactly_what_the_mask_allows(kind, n, L, wi
 
 
 @FAST
-@given(model=hd_models(kv_mirror=True, objective="final"), L=st.integers(1, 7), shared=st.booleans())
-def test_mirror_skip_equals_running_every_stream(model, L, shared):
+@given(model=hd_models(kv_mirror=True, objective="final"), L=st.integers(1, 7), shared=st.booleans(),
+       impl=st.sampled_from(["fast", "dense"]))
+def test_mirror_skip_equals_running_every_stream(model, L, shared, impl):
     if shared and "I" not in model.cfg.layout:
         shared = False
-    skip, ref = twin(model, mirror_skip=True, shared_kv=shared).train(), twin(model, mirror_skip=False, shared_kv=shared).train()
+    skip = twin(model, mirror_skip=True, shared_kv=shared, attn_impl=impl).train()
+    ref = twin(model, mirror_skip=False, shared_kv=shared, attn_impl="dense").train()
     assert skip.cfg.mirror_skip and not ref.cfg.mirror_skip
     idx = torch.randint(model.cfg.vocab_size, (2, L + 1))
     a, la = skip(idx[:, :-1], idx[:, 1:])
