@@ -491,6 +491,9 @@ def suite_tah(P, args, seed, data, full):
             r["corrected vs Standard"] = int((ok & ~base_preds).sum())
             r["corrupted vs Standard"] = int((~ok & base_preds).sum())
         effect = "TaH: duo-causal vs ablations (oracle routing)" if "attention" in arm else "TaH: routing (arith answer digits)"
+        if full and (arm, mode) == ("TaH", "oracle"):  # the duo-causal arm heads the ablation block
+            rows.extend([dict(effect="TaH: duo-causal vs ablations (oracle routing)", arm="TaH, duo-causal (oracle routing)",
+                              metric=m, seed=seed, value=v) for m, v in r.items()])
         rows.extend([dict(effect=effect, arm=label, metric=m, seed=seed, value=v) for m, v in r.items()])
     return rows
 
@@ -558,7 +561,8 @@ def summarize(rows):
             if len(d):
                 s["delta_mean"], s["delta_std"] = float(d.mean()), float(d.std(ddof=1)) if len(d) > 1 else 0.0
         out.append(s)
-    return out
+    order = {e: i for i, e in enumerate(dict.fromkeys(r["effect"] for r in rows))}
+    return sorted(out, key=lambda s: order[s["effect"]])  # stable: arms keep their order
 
 
 def table(summary, header):
