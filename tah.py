@@ -434,4 +434,6 @@ if __name__ == "__main__":
             print(f"mode {mode:>8}: loss {out.loss.item():.4f}, tokens iterated "
                   f"{(out.depths > 1).float().mean().item():.0%}")
     tokens, depths = model.generate(idx[:1, :4], 12, temperature=0)
-    print(f"decoding with the decider: {tokens[0].tolist()}; tokens iterated: {int((depths > 1).sum())} of {depths.numel()}")
+    print(f"decoding with the decider: {tokens[0].tolist()}; tokens iterated: {int((depths > 1).sum())} of "
+          f"{depths.numel()} (an untrained decider scores about 0.5, below the 0.9 threshold; "
+          "train_tiny.py trains one)")
