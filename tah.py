@@ -296,8 +296,10 @@ class ThinkAtHard(nn.Module):
                     kept[i] = x
                 return x, u
             self.set_lora(d >= 1)  # Eq. 6: theta at depth 0, theta + Delta deeper
-            h = self.backbone.run_blocks(x, layer)
-            self.set_lora(False)
+            try:
+                h = self.backbone.run_blocks(x, layer)
+            finally:  # an error mid-pass must not leave the adapter on for the next call
+                self.set_lora(False)
             logits = self.backbone.lm_head(self.backbone.norm_f(h))  # (B, Tq, V)
 
             b_i, t_i = rows.expand_as(sel)[valid], sel[valid]
