@@ -1,5 +1,7 @@
 """Tests of train_tiny.py: data round-trips, exact resume, DDP equivalence, every suite's smoke run."""
 
+import copy
+import json
 import os
 import re
 import subprocess
@@ -122,13 +124,112 @@ def test_two_process_ddp_equals_one_process_with_the_same_global_batch(tmp_path)
 def test_smoke_runs_every_suite_and_writes_results(tmp_path):
     tt.main(["--smoke", "--out", str(tmp_path)])
     md = (tmp_path / "results.md").read_text()
-    for effect in ("HD: expansion factor n", "HD: stream-factorized layouts", "HD: training objective",
-                   "HD: per-stream vs shared KV", "HD: progressive expansion", "TaH: routing",
-                   "TaH: duo-causal vs ablations", "MoE: loss-free balancing", "MoE: KV-Mirror"):
+    for effect in (tt.HD_N, "HD: expansion factor n, from scratch", "HD: stream-factorized layouts",
+                   "HD: training objective", "HD: per-stream vs shared KV", tt.TAH_ROUTING, tt.TAH_SWEEP, tt.TAH_DIAG,
+                   "TaH: duo-causal vs ablations", tt.MOE_BALANCE, "MoE: KV-Mirror"):
         assert effect in md, effect
-    assert (tmp_path / "results.json").exists()
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [v["claim"] for v in result["verdicts"]] == [c.name for c in tt.CLAIMS]  # every claim judged
+    assert all(v["verdict"] == "not shown" for v in result["verdicts"])  # one seed can never show an effect
     tt.main(["--smoke", "--out", str(tmp_path)])  # a second run finds every suite done
     assert (tmp_path / "results.md").read_text().split("\n", 1)[1] == md.split("\n", 1)[1]
+
+
+# -----------------------------------------------------------------------------
+# the demonstrations' protocols
+
+
+def suite_args(tmp_path):
+    return Namespace(device="cpu", run_dir=tmp_path, muon=False, accum=1, log_every=100, ckpt_every=100,
+                     eval_split="val", eval_seed=7919)
+
+
+def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp_path, monkeypatch):
+    seen, real = {}, tt.train
+
+    def spy(name, model, loss_fn, data, P, args, seed, on_step=None):
+        if "continued" not in name:
+            return real(name, model, loss_fn, data, P, args, seed, on_step)
+        start = (copy.deepcopy(model.backbone.state_dict()), [t.weight.detach().clone() for t in model.tables])
+        batches = []
+
+        def recording(m, x, y):
+            batches.append((x.clone(), y.clone()))
+            return loss_fn(m, x, y)
+        seen[model.cfg.n_streams] = start, batches
+        return real(name, model, recording, data, P, args, seed, on_step)
+    monkeypatch.setattr(tt, "train", spy)
+    P = tt.PRESETS["smoke"]
+    tt.suite_hd(P, suite_args(tmp_path), 0, tt.Arith(2), full=False)
+    assert sorted(seen) == [1, 2, 4]
+    (body1, (e0,)), batches1 = seen[1]
+    for n in (2, 4):
+        (body, tables), batches = seen[n]
+        assert body.keys() == body1.keys()
+        assert all(torch.equal(body[k], body1[k]) for k in body)  # bit-identical backbone
+        assert len(tables) == n and all(torch.equal(t, e0) for t in tables)  # E_k <- E_{k mod 1} = E_0
+        assert len(batches) == len(batches1) == P.hd_cont_iters
+        assert all(torch.equal(x, x1) and torch.equal(y, y1) for (x, y), (x1, y1) in zip(batches, batches1))
+
+
+def test_tah_oracle_labels_are_the_standard_models_top1_mistakes(tmp_path, monkeypatch):
+    trained, labelled, real = {}, [], tt.train
+
+    def spy(name, model, loss_fn, data, P, args, seed, on_step=None):
+        out = real(name, model, loss_fn, data, P, args, seed, on_step)
+        trained[name] = model
+        return out
+    real_stage1 = tt.ThinkAtHard.stage1_loss
+
+    def stage1(self, idx, targets, depths):
+        labelled.append((idx.clone(), targets.clone(), depths.clone()))
+        return real_stage1(self, idx, targets, depths)
+    monkeypatch.setattr(tt, "train", spy)
+    monkeypatch.setattr(tt.ThinkAtHard, "stage1_loss", stage1)
+    P = tt.PRESETS["smoke"]
+    tt.suite_tah(P, suite_args(tmp_path), 0, tt.Arith(P.digits), full=False)
+    ref = trained["tah/Standard"].eval()
+    assert labelled
+    for x, y, depths in labelled:
+        for b in range(x.size(0)):
+            for t in range(x.size(1)):  # brute force: the reference reads the prefix alone
+                with torch.no_grad():
+                    top1 = ref(x[b:b + 1, :t + 1], mode="standard").logits[0, -1].argmax().item()
+                hard = y[b, t].item() != -1 and top1 != y[b, t].item()
+                assert depths[b, t].item() == (2 if hard else 1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(digits=st.integers(1, 4), seed=st.integers(0, 10_000), T=st.integers(6, 60), p_wrong=st.floats(0, 0.5))
+def test_exact_match_counts_the_problems_whose_every_answer_digit_is_right(digits, seed, T, p_wrong):
+    task = tt.Arith(digits)
+    g = torch.Generator().manual_seed(seed)
+    x, y = task.batch("val", 3, T, g)
+    ok = torch.rand(y.shape, generator=g) > p_wrong
+    right, total = 0, 0
+    L = task.problem_len
+    for b in range(3):  # brute force: problem k's answer digits are x[k*L + 2n+2 .. k*L + 3n+2] = y[t + 1]
+        for k in range(T // L + 2):
+            ts = [t for t in range(T) if k * L + 2 * digits + 1 <= t < k * L + 3 * digits + 2]
+            assert all(y[b, t] != -1 for t in ts)
+            if len(ts) == digits + 1:
+                total += 1
+                right += all(ok[b, t] for t in ts)
+    got = tt.answer_exact(ok, y, task.problem_len, digits)
+    if total == 0:
+        assert np.isnan(got)
+    else:
+        assert got == pytest.approx(right / total)
+
+
+def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the_spread():
+    assert tt.verdict([-0.04, -0.05, -0.045], -1) == "shown"
+    assert tt.verdict([0.04, 0.05, 0.045], -1) == "not shown"  # the opposite sign
+    assert tt.verdict([-0.04, -0.05, +0.001], -1) == "not shown"  # one seed flips
+    assert tt.verdict([-0.01, -0.09, -0.002], -1) == "not shown"  # inside twice the spread
+    assert tt.verdict([-0.04], -1) == "not shown"  # one seed cannot show anything
+    assert tt.verdict([-0.04, float("nan"), -0.05], -1) == "not shown"
+    assert tt.verdict([0.2, 0.3, 0.25], +1) == "shown"
 
 
 # -----------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from tah import TaHConfig, ThinkAtHard, oracle_depths
 # -----------------------------------------------------------------------------
 # Data
 
+HERE = Path(__file__).resolve().parent
 CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
 
 
@@ -93,9 +94,10 @@ class TextData:
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 atomic(cache, lambda f: np.savez(f, tokens=self.tokens, vocab=self.vocab))
         self.vocab_size = len(self.vocab)
-        cut = int(0.9 * len(self.tokens))
-        self.split = {"train": torch.from_numpy(self.tokens[:cut].astype(np.int64)),
-                      "val": torch.from_numpy(self.tokens[cut:].astype(np.int64))}
+        a, b = int(0.9 * len(self.tokens)), int(0.95 * len(self.tokens))
+        tokens = torch.from_numpy(self.tokens.astype(np.int64))
+        # 90% train; 5% "dev" to try things on (--dev); the last 5% the held-out set results come from
+        self.split = {"train": tokens[:a], "dev": tokens[a:b], "val": tokens[b:]}
 
     def encode(self, text):
         ids = np.array(load_bpe().encode_ordinary(text))
@@ -181,6 +183,10 @@ def atomic(path, write):
 
 @dataclass
 class Preset:
+    """One budget for every suite. The HD and MoE suites train the text backbone; the TaH suite
+    trains its own smaller dense model on the addition task (TaH needs a model that is short of
+    compute for its hardest tokens, see suite_tah)."""
+    # text backbone (HD, MoE)
     n_layer: int = 6
     n_embd: int = 64
     n_head: int = 12
@@ -194,11 +200,22 @@ class Preset:
     window: int = 16
     block: int = 64  # tokens per sequence
     batch: int = 8  # global batch, sequences
-    iters: int = 250
+    iters: int = 300  # HD: n=1 backbone pretraining; --suite all: every from-scratch arm and MoE arm
     lr: float = 3e-3
     warmup: int = 20
     eval_batches: int = 8
+    hd_cont_iters: int = 150  # HD: steps every arm continues from the n=1 checkpoint
+    # TaH (addition task, dense backbone)
     digits: int = 4
+    tah_layers: int = 3
+    tah_batch: int = 32
+    tah_base_iters: int = 700  # the "base" model every TaH arm starts from
+    tah_base_lr: float = 2e-3
+    tah_sft_iters: int = 200  # Standard, AlwaysThink and TaH stage 1, each from the base
+    tah_sft_lr: float = 1e-3
+    decider_iters: int = 300  # TaH stage 2
+    decider_lr: float = 3e-3
+    tah_eval_batches: int = 16
     seeds: int = 3
     plays: tuple = ("macbeth", "hamlet", "othello", "king-lear")
 
@@ -207,10 +224,14 @@ PRESETS = {
     "cpu": Preset(),
     "gpu": Preset(n_layer=8, n_embd=192, n_head=18, n_kv_head=3, head_dim=32, n_experts=16, top_k=2,
                   expert_hidden=192, ffn_hidden=576, layout="IIFIILII", window=64, block=128,
-                  batch=32, iters=600, lr=2e-3, warmup=50, eval_batches=16, digits=6, seeds=3, plays=()),
+                  batch=32, iters=600, lr=2e-3, warmup=50, eval_batches=16, hd_cont_iters=300,
+                  digits=6, tah_layers=4, tah_batch=64, tah_base_iters=1500, tah_sft_iters=500,
+                  decider_iters=600, seeds=3, plays=()),
     "smoke": Preset(n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8, n_experts=4, expert_hidden=32,
                     ffn_hidden=64, layout="IFL", window=8, block=32, batch=4, iters=4, warmup=2,
-                    eval_batches=1, digits=2, seeds=1, plays=("macbeth",)),
+                    eval_batches=1, hd_cont_iters=3, digits=2, tah_layers=3, tah_batch=4,
+                    tah_base_iters=4, tah_sft_iters=3, decider_iters=3, tah_eval_batches=1, seeds=1,
+                    plays=("macbeth",)),
 }
 
 # -----------------------------------------------------------------------------
@@ -229,7 +250,23 @@ def log(*a):
 def batch_gen(seed, it, split):
     """The global batch of iteration `it` depends only on (seed, it, split): resuming and any
     world size see the same tokens."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + it * 2 + (split == "val"))
+    return torch.Generator().manual_seed(seed * 1_000_003 + it * 2 + (split != "train"))
+
+
+class Progress:
+    """Overall progress of one invocation: training steps planned and done, for the ETA."""
+
+    def __init__(self):
+        self.total, self.done, self.arm, self.arms, self.t0 = 0, 0, 0, 0, time.time()
+
+    def line(self):
+        el = time.time() - self.t0
+        left = el / self.done * (self.total - self.done) if self.done else float("nan")
+        return (f"arm {self.arm}/{self.arms} | {self.done}/{self.total} steps | elapsed {el / 60:.1f} min"
+                + (f" | ~{left / 60:.1f} min left" if self.done else ""))
+
+
+PROGRESS = Progress()
 
 
 def backbone_of(model):
@@ -279,6 +316,9 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
         raise SystemExit(f"error: batch {P.batch} does not split into {WORLD} ranks x {args.accum} micro-steps")
     autocast = torch.autocast("cuda", torch.bfloat16) if dev.startswith("cuda") else contextlib.nullcontext()
     fwd_model = torch.compile(model) if getattr(args, "compile", False) else model  # shares the weights
+    PROGRESS.arm += 1
+    PROGRESS.done += start
+    log(f"[{name} s{seed}] {P.iters} steps, lr {P.lr:g}, batch {P.batch} | {PROGRESS.line()}")
     t0 = time.perf_counter()
     for it in range(start, P.iters):
         for o in opts:
@@ -309,6 +349,7 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
         if any(p.requires_grad for p in backbone_of(model).parameters()):
             backbone_of(model).update_router_bias()  # loss-free balancing, after the step
         losses.append(total)
+        PROGRESS.done += 1
         done = it + 1
         if done % args.log_every == 0 or done == P.iters:
             dt = (time.perf_counter() - t0) / (done - start)
@@ -318,7 +359,7 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
                 n = sum(p.numel() for p in model.parameters())
                 mfu = f" | mfu {6 * n * tok / 989e12:.2%}"
             log(f"[{name} s{seed}] step {done}/{P.iters} | loss {total:.4f} | {dt * 1e3:.0f} ms/step | "
-                f"{tok / 1e3:.1f}k tok/s{mfu}")
+                f"{tok / 1e3:.1f}k tok/s{mfu} | {PROGRESS.line()}")
         if MASTER and (done % args.ckpt_every == 0 or done == P.iters):
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             state = {"model": model.state_dict(), "opts": [o.state_dict() for o in opts], "iter": done,
@@ -332,12 +373,13 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
 @torch.no_grad()
 def evaluate(model, data, P, args, fwd=None):
     """Held-out loss and accuracy of the next-token prediction (targets != -1 only), over the
-    same fixed validation batches for every arm and seed. fwd(model, x, y) -> (logits, loss)."""
+    same fixed batches for every arm and seed (the dev set with --dev). fwd(model, x, y) ->
+    (logits, loss)."""
     model.eval()
     fwd = fwd or (lambda m, x, y: m(x, y)[:2])
     losses, hits, count = [], 0, 0
     for k in range(P.eval_batches):
-        x, y = data.batch("val", P.batch, P.block, batch_gen(7919, k, "val"))  # one held-out set for every seed
+        x, y = data.batch(args.eval_split, P.batch, P.block, batch_gen(args.eval_seed, k, args.eval_split))
         x, y = x.to(args.device), y.to(args.device)
         logits, loss = fwd(model, x, y)
         losses.append(loss.item())
@@ -349,7 +391,14 @@ def evaluate(model, data, P, args, fwd=None):
 
 
 # -----------------------------------------------------------------------------
-# Suites: each returns rows {effect, arm, metric, seed, value}
+# Suites: each returns rows {effect, arm, metric, seed, value}. An effect's first arm is the
+# baseline its other arms are compared with, seed by seed.
+
+HD_N = "HD: expansion factor n, continued from one n=1 checkpoint"
+TAH_ROUTING = "TaH: routing (addition, answer digits)"
+TAH_SWEEP = "TaH: decider threshold sweep"
+TAH_DIAG = "TaH: diagnostics"
+MOE_BALANCE = "MoE: loss-free balancing"
 
 
 def backbone_cfg(P, vocab, **kw):
@@ -364,52 +413,12 @@ def lm_loss(model, x, y):
     return model(x, y)[1]
 
 
-def suite_hd(P, args, seed, data, full):
-    rows = []
-    V = data.vocab_size
-
-    def run(arm, effect, **kw):
-        torch.manual_seed(seed)
-        model = HiddenDecoding(HDConfig(**backbone_cfg(P, V, **{"layout": P.layout, "window": P.window, **kw}))).to(args.device)
-        train(f"hd/{arm}", model, lm_loss, data, P, args, seed)
-        r = evaluate(model, data, P, args)
-        rows.extend([dict(effect=effect, arm=arm, metric=m, seed=seed, value=v) for m, v in r.items()])
-        return model
-
-    for n in (1, 2, 4):
-        run(f"n={n}", "HD: expansion factor n (layout %s)" % P.layout, n_streams=n)
-    if not full:
-        return rows
-    L = P.n_layer
-    for arm, layout in [("all-full", "F" * L), ("few-full", P.layout), ("one-full", "I" * (L - 1) + "F"),
-                        ("all-intra", "I" * L)]:
-        if layout != P.layout or arm == "few-full":
-            run(f"layout {arm} ({layout})", "HD: stream-factorized layouts (n=2)", n_streams=2, layout=layout)
-    for obj in ("final", "all", "sum"):
-        run(f"objective {obj}", "HD: training objective (n=2)", n_streams=2, objective=obj)
-    for shared in (False, True):
-        run("shared KV" if shared else "per-stream KV", "HD: per-stream vs shared KV (n=2)", n_streams=2, shared_kv=shared)
-    # progressive expansion: n=1 for half the steps, then n=2 from that checkpoint
-    half = replace(P, iters=P.iters // 2)
-    torch.manual_seed(seed)
-    base = HiddenDecoding(HDConfig(**backbone_cfg(P, V, layout=P.layout, window=P.window, n_streams=1))).to(args.device)
-    train("hd/progressive-stage1", base, lm_loss, data, half, args, seed)
-    r0 = evaluate(base, data, P, args)
-    grown = expand_streams(base, 2).to(args.device)
-    r1 = evaluate(grown, data, P, args)
-    cont = copy.deepcopy(base)
-    shifted = replace(half, warmup=0)
-    train("hd/progressive-n2", grown, lm_loss, ShiftedData(data, half.iters), shifted, args, seed)
-    train("hd/progressive-n1", cont, lm_loss, ShiftedData(data, half.iters), shifted, args, seed)
-    for arm, r in [("n=1 at half budget", r0), ("expanded to n=2, before training", r1),
-                   ("n=1 -> 2, trained on", evaluate(grown, data, P, args)),
-                   ("n=1 throughout", evaluate(cont, data, P, args))]:
-        rows.extend([dict(effect="HD: progressive expansion", arm=arm, metric=m, seed=seed, value=v) for m, v in r.items()])
-    return rows
+def result_rows(effect, arm, seed, r):
+    return [dict(effect=effect, arm=arm, metric=m, seed=seed, value=v) for m, v in r.items()]
 
 
 class ShiftedData:
-    """The same data with the batch stream advanced by `offset` steps (for a second stage)."""
+    """The same data with the batch stream advanced by `offset` steps (for a later stage)."""
 
     def __init__(self, data, offset):
         self.data, self.offset = data, offset
@@ -420,122 +429,336 @@ class ShiftedData:
         return self.data.batch(split, B, T, gen)
 
 
-def suite_tah(P, args, seed, data, full):
-    """Reference (Standard) training, then from it: Standard continued, AlwaysThink, TaH stage 1
-    under oracle routing (labels from the frozen reference), TaH stage 2 (decider)."""
-    rows = []
-    cfg = TaHConfig(**backbone_cfg(P, data.vocab_size, n_experts=0), topk=min(100, data.vocab_size),
-                    max_depth=2, lora_rank=8)
+def hd_continuations(base, ns, device):
+    """The HD protocol (HD §2.3, §4): every arm starts from the same trained n = 1 model,
+    expanded to n streams with E_k <- E_{k mod n}; n = 1 is the control that simply trains on."""
+    return {n: expand_streams(base, n).to(device) for n in ns}
+
+
+def suite_hd(P, args, seed, data, full):
+    """Pretrain an n = 1 backbone, then continue it as n = 1 (control), 2 and 4 on the same
+    batches for the same steps (the paper's continued-pretraining protocol)."""
+    rows, V = [], data.vocab_size
     torch.manual_seed(seed)
-    ref = ThinkAtHard(cfg).to(args.device)
+    base = HiddenDecoding(HDConfig(**backbone_cfg(P, V, layout=P.layout, window=P.window, n_streams=1))).to(args.device)
+    train("hd/backbone n=1", base, lm_loss, data, P, args, seed)
+    rows += result_rows(HD_N, "n=1 backbone (start of every arm)", seed, evaluate(base, data, P, args))
+    rows += result_rows(HD_N, "n=2 just expanded (step 0)", seed, evaluate(expand_streams(base, 2), data, P, args))
+    cont = replace(P, iters=P.hd_cont_iters)
+    later = ShiftedData(data, P.iters)  # every arm: the batches after the backbone's
+    for n, model in hd_continuations(base, (1, 2, 4), args.device).items():
+        train(f"hd/n={n} continued", model, lm_loss, later, cont, args, seed)
+        rows += result_rows(HD_N, f"n={n} continued", seed, evaluate(model, data, P, args))
+    if full:
+        rows += suite_hd_ablations(P, args, seed, data)
+    return rows
+
+
+def suite_hd_ablations(P, args, seed, data):
+    """--suite all: HD arms trained from scratch for P.iters steps (n, layouts, objectives, KV)."""
+    rows, V = [], data.vocab_size
+
+    def run(arm, effect, **kw):
+        torch.manual_seed(seed)
+        model = HiddenDecoding(HDConfig(**backbone_cfg(P, V, **{"layout": P.layout, "window": P.window, **kw}))).to(args.device)
+        train(f"hd/{arm}", model, lm_loss, data, P, args, seed)
+        rows.extend(result_rows(effect, arm, seed, evaluate(model, data, P, args)))
+
+    for n in (1, 2, 4):
+        run(f"n={n} from scratch", f"HD: expansion factor n, from scratch (layout {P.layout})", n_streams=n)
+    L = P.n_layer
+    for arm, layout in [("all-full", "F" * L), ("few-full", P.layout), ("one-full", "I" * (L - 1) + "F"),
+                        ("all-intra", "I" * L)]:
+        run(f"layout {arm} ({layout})", "HD: stream-factorized layouts (n=2, from scratch)", n_streams=2, layout=layout)
+    for obj in ("final", "all", "sum"):
+        run(f"objective {obj}", "HD: training objective (n=2, from scratch)", n_streams=2, objective=obj)
+    for shared in (False, True):
+        run("shared KV" if shared else "per-stream KV", "HD: per-stream vs shared KV (n=2, from scratch)",
+            n_streams=2, shared_kv=shared)
+    return rows
+
+
+def tah_stages(P):
+    """Budgets of the TaH suite's stages: the base model, the fine-tunes (Standard, AlwaysThink,
+    TaH stage 1; each from the base on the same batches) and stage 2."""
+    base = replace(P, batch=P.tah_batch, iters=P.tah_base_iters, lr=P.tah_base_lr, warmup=min(50, P.tah_base_iters),
+                   eval_batches=P.tah_eval_batches)
+    sft = replace(base, iters=P.tah_sft_iters, lr=P.tah_sft_lr, warmup=min(10, P.tah_sft_iters))
+    stage2 = replace(base, iters=P.decider_iters, lr=P.decider_lr, warmup=min(10, P.decider_iters))
+    return base, sft, stage2
+
+
+class Oracle:
+    """Oracle depths (TaH Eq. 7): a token is hard, 2 passes, iff the frozen reference's top-1
+    prediction is not the target; targets of -1 (operands) are easy."""
+
+    def __init__(self, ref, max_depth):
+        self.ref, self.max_depth = ref, max_depth
+
+    @torch.no_grad()
+    def __call__(self, x, y):
+        return oracle_depths(self.ref(x, mode="standard").logits, y, self.max_depth)
+
+
+def answer_exact(ok, y, problem_len, digits):
+    """Per problem: every answer digit right (only problems whose digits+1 targets all lie in the
+    block). A greedy decode of the answer is right iff every teacher-forced digit is, so this is
+    also greedy decoding's exact match."""
+    keep = y != -1
+    pid = (torch.arange(1, y.size(1) + 1, device=y.device) // problem_len).expand_as(y)
+    pid = pid + torch.arange(y.size(0), device=y.device)[:, None] * (y.size(1) // problem_len + 2)
+    pid, good = pid[keep], ok[keep]
+    ids, count = pid.unique(return_counts=True)
+    wrong = torch.zeros_like(ids).index_add_(0, torch.searchsorted(ids, pid), (~good).long())
+    complete = count == digits + 1
+    return (wrong[complete] == 0).float().mean().item() if complete.any() else float("nan")
+
+
+@torch.no_grad()
+def tah_eval(model, data, P, args, mode, oracle, threshold=None):
+    """Held-out metrics of one routing mode over answer digits (the targets): loss, accuracy,
+    whole-answer exact match, tokens iterated (all positions), and per-token outcomes (for
+    revision counts against Standard); for the decider, how well it imitates the oracle."""
+    model.eval()
+    saved = model.cfg.threshold
+    model.cfg.threshold = threshold or saved
+    losses, oks, first_oks, hard, went, ems, iterated = [], [], [], [], [], [], []
+    try:
+        for k in range(P.eval_batches):
+            x, y = data.batch(args.eval_split, P.batch, P.block, batch_gen(args.eval_seed, k, args.eval_split))
+            x, y = x.to(args.device), y.to(args.device)
+            depths = oracle(x, y)
+            out = model(x, y, mode=mode, depths=depths if mode == "oracle" else None)
+            keep = y != -1
+            ok = out.logits.argmax(-1) == y
+            losses.append(out.loss.item())
+            ems.append(answer_exact(ok, y, data.problem_len, data.digits))
+            iterated.append((out.depths > 1).float().mean().item())
+            oks.append(ok[keep])
+            first_oks.append((out.first_logits.argmax(-1) == y)[keep])
+            hard.append((depths > 1)[keep])
+            went.append((out.depths > 1)[keep])
+    finally:
+        model.cfg.threshold = saved
+        model.train()
+    ok, first_ok, hard, went = (torch.cat(v) for v in (oks, first_oks, hard, went))
+    r = {"loss": float(np.mean(losses)), "acc": ok.float().mean().item(), "exact match": float(np.mean(ems)),
+         "iterated": float(np.mean(iterated))}
+    if mode == "decider":  # imitation of the oracle over answer digits (operands are trivially "stop")
+        tp, pos, neg = (went & hard).sum().item(), hard.sum().item(), (~hard).sum().item()
+        recall, spec = tp / max(pos, 1), (~went & ~hard).sum().item() / max(neg, 1)
+        r.update({"decider balanced acc": 0.5 * (recall + spec), "decider recall": recall,
+                  "decider precision": tp / max(went.sum().item(), 1)})
+    return r, dict(ok=ok, first_ok=first_ok, hard=hard, went=went)
+
+
+def suite_tah(P, args, seed, data, full):
+    """The paper's protocol (TaH §4.3, §5) at tiny scale. A base model is pretrained on the
+    addition task; from it, on the same batches for the same steps: Standard (fine-tuned as is:
+    it is also the oracle's reference, as the paper uses the SFT model), AlwaysThink (every token
+    2 passes), TaH stage 1 (oracle depths from the frozen Standard model), then TaH stage 2 (the
+    decider imitates the oracle, everything else frozen)."""
+    rows = []
+    base_P, sft_P, stage2_P = tah_stages(P)
+    cfg = TaHConfig(**backbone_cfg(P, data.vocab_size, n_experts=0, n_layer=P.tah_layers),
+                    topk=min(100, data.vocab_size), max_depth=2, lora_rank=8)
+    torch.manual_seed(seed)
+    base = ThinkAtHard(cfg).to(args.device)
     std_loss = lambda m, x, y: m(x, y, mode="standard").loss
-    train("tah/reference", ref, std_loss, data, P, args, seed)
-    ref.eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
+    train("tah/base", base, std_loss, data, base_P, args, seed)
+    later = ShiftedData(data, base_P.iters)
 
-    def oracle(x, y):
-        with torch.no_grad():
-            return oracle_depths(ref(x, mode="standard").logits, y, cfg.max_depth)
-
-    second = ShiftedData(data, P.iters)
-    arms = {"Standard": std_loss, "AlwaysThink": lambda m, x, y: m(x, y, mode="always").loss,
-            "TaH": lambda m, x, y: m.stage1_loss(x, y, oracle(x, y))}
-    if full:
-        arms["TaH, first-depth attention"] = arms["TaH"]
-        arms["TaH, depth-local attention"] = arms["TaH"]
-    models = {}
-    for arm, fn in arms.items():
-        attention = {"TaH, first-depth attention": "first_depth", "TaH, depth-local attention": "depth_local"}.get(arm, "duo")
+    def from_base(attention="duo"):
         m = ThinkAtHard(replace(cfg, attention=attention)).to(args.device)
-        m.load_state_dict(ref.state_dict())
-        for p in m.parameters():
-            p.requires_grad_(True)
-        train(f"tah/{arm}", m, fn, second, P, args, seed)
-        models[arm] = m
-    # stage 2: the decider imitates the oracle, everything else frozen
-    tah = models["TaH"]
-    for name, p in tah.named_parameters():
-        p.requires_grad_(name.startswith("decider."))
-    train("tah/decider", tah, lambda m, x, y: m.stage2_loss(x, oracle(x, y))[0], ShiftedData(data, 2 * P.iters), P, args, seed)
+        m.load_state_dict(base.state_dict())
+        return m
 
-    def routed(arm, mode):
-        def fwd(m, x, y):
-            out = m(x, y, mode=mode, depths=oracle(x, y) if mode == "oracle" else None)
-            fwd.iterated.append((out.depths > 1).float().mean().item())
-            fwd.preds.append((out.logits.argmax(-1), y))
-            if mode == "decider":
-                want = oracle(x, y) > 1
-                fwd.imitation.append(((out.depths > 1) == want).float().mean().item())
-            return out.logits, out.loss
-        fwd.iterated, fwd.preds, fwd.imitation = [], [], []
-        return fwd
+    std = from_base()
+    train("tah/Standard", std, std_loss, later, sft_P, args, seed)
+    ref = copy.deepcopy(std).eval().requires_grad_(False)
+    oracle = Oracle(ref, cfg.max_depth)
+    always = from_base()
+    train("tah/AlwaysThink", always, lambda m, x, y: m(x, y, mode="always").loss, later, sft_P, args, seed)
+    tah = from_base()
+    stage1 = lambda m, x, y: m.stage1_loss(x, y, oracle(x, y))
+    train("tah/TaH stage 1", tah, stage1, later, sft_P, args, seed)
+    tah.requires_grad_(False).decider.requires_grad_(True)  # stage 2: only the decider learns
+    train("tah/TaH stage 2 (decider)", tah, lambda m, x, y: m.stage2_loss(x, oracle(x, y))[0],
+          ShiftedData(data, base_P.iters + sft_P.iters), stage2_P, args, seed)
 
-    evals = [("Standard", "standard"), ("AlwaysThink", "always"), ("TaH", "oracle"), ("TaH", "decider")]
-    if full:
-        evals += [("TaH, first-depth attention", "oracle"), ("TaH, depth-local attention", "oracle")]
-    base_preds = None
-    for arm, mode in evals:
-        fwd = routed(arm, mode)
-        r = evaluate(models[arm], data, P, args, fwd)
-        label = arm if arm == "Standard" or arm == "AlwaysThink" else f"{arm} ({mode} routing)"
-        r["iterated"] = float(np.mean(fwd.iterated))
+    ev = lambda m, mode, thr=None: tah_eval(m, data, base_P, args, mode, oracle, thr)
+    r_std, o_std = ev(std, "standard")
+    rows += result_rows(TAH_ROUTING, "Standard", seed, r_std)
+    threshold = cfg.threshold  # the paper's 0.9
+    arms = [("AlwaysThink", always, "always"), ("TaH, oracle routing (upper bound)", tah, "oracle"),
+            (f"TaH, decider routing (threshold {threshold})", tah, "decider")]
+    sweep = {"standard": r_std}
+    for arm, model, mode in arms:
+        r, o = ev(model, mode)
+        # revisions against Standard's prediction of the same token (TaH Fig. 1b)
+        r["corrected vs Standard"] = int((o["ok"] & ~o_std["ok"]).sum())
+        r["corrupted vs Standard"] = int((~o["ok"] & o_std["ok"]).sum())
+        rows += result_rows(TAH_ROUTING, arm, seed, r)
+        if mode == "oracle":  # where the oracle's gain comes from: depth 0 alone vs the sum
+            h = o["hard"]
+            rows += result_rows(TAH_DIAG, "TaH under the oracle", seed, {
+                "hard share of answer digits": h.float().mean().item(),
+                "depth-0 acc, easy digits": o["first_ok"][~h].float().mean().item(),
+                "depth-0 acc, hard digits": o["first_ok"][h].float().mean().item(),
+                "summed acc, hard digits": o["ok"][h].float().mean().item()})
         if mode == "decider":
-            r["decider imitation acc"] = float(np.mean(fwd.imitation))
-        preds = torch.cat([p[keep] for p, yy in fwd.preds for keep in [yy != -1]])
-        truth = torch.cat([yy[yy != -1] for _, yy in fwd.preds])
-        if base_preds is None:
-            base_preds = preds == truth
-        else:  # revisions against the Standard model's prediction of the same token
-            ok = preds == truth
-            r["corrected vs Standard"] = int((ok & ~base_preds).sum())
-            r["corrupted vs Standard"] = int((~ok & base_preds).sum())
-        effect = "TaH: duo-causal vs ablations (oracle routing)" if "attention" in arm else "TaH: routing (arith answer digits)"
-        if full and (arm, mode) == ("TaH", "oracle"):  # the duo-causal arm heads the ablation block
-            rows.extend([dict(effect="TaH: duo-causal vs ablations (oracle routing)", arm="TaH, duo-causal (oracle routing)",
-                              metric=m, seed=seed, value=v) for m, v in r.items()])
-        rows.extend([dict(effect=effect, arm=label, metric=m, seed=seed, value=v) for m, v in r.items()])
+            fp = o["went"] & ~o["hard"]  # easy digits the decider sent on
+            rows += result_rows(TAH_DIAG, "TaH under the decider", seed, {
+                "easy digits sent on": fp.float().mean().item(),
+                "of those, right at depth 0": o["first_ok"][fp].float().mean().item() if fp.any() else float("nan"),
+                "of those, right after depth 1": o["ok"][fp].float().mean().item() if fp.any() else float("nan")})
+        sweep[threshold if mode == "decider" else mode] = r
+    # the compute-accuracy trade-off (TaH Fig. 4): Standard and AlwaysThink are the end points
+    for thr in (0.1, 0.3, 0.5, 0.7, 0.8, 0.95):
+        sweep[thr] = ev(tah, "decider", thr)[0]
+    for key in ["standard"] + sorted(k for k in sweep if not isinstance(k, str)) + ["always"]:
+        arm = {"standard": "Standard", "always": "AlwaysThink"}.get(key, f"TaH decider, threshold {key}")
+        rows += result_rows(TAH_SWEEP, arm, seed, {k: sweep[key][k] for k in ("iterated", "acc")})
+    if full:
+        for attention in ("first_depth", "depth_local"):
+            m = from_base(attention)
+            train(f"tah/TaH stage 1, {attention}", m, stage1, later, sft_P, args, seed)
+            if attention == "first_depth":
+                rows += result_rows("TaH: duo-causal vs ablations (oracle routing)", "duo-causal", seed,
+                                    {k: v for k, v in ev(tah, "oracle")[0].items()})
+            rows += result_rows("TaH: duo-causal vs ablations (oracle routing)", attention.replace("_", "-"), seed,
+                                ev(m, "oracle")[0])
     return rows
 
 
 def suite_moe(P, args, seed, data, full):
     rows = []
-    arms = [("bias update on", dict(balance_gamma=1e-3)), ("bias update off", dict(balance_gamma=0.0))]
+    arms = [("bias update off", dict(balance_gamma=0.0)), ("bias update on", dict(balance_gamma=1e-3))]
     if full:
         arms += [("KV-Mirror off", dict(balance_gamma=1e-3, kv_mirror=False))]
     for arm, kw in arms:
         torch.manual_seed(seed)
         model = Transformer(ModelConfig(**backbone_cfg(P, data.vocab_size, **kw))).to(args.device)
-        imbalance = []
+        loads = []
 
         def watch(step, model=model):
-            load = model.expert_load().float()
-            imbalance.append((load.max(1).values / load.mean(1)).mean().item())
+            loads.append(model.expert_load().float().cpu())
         train(f"moe/{arm}", model, lm_loss, data, P, args, seed, on_step=watch)
         r = evaluate(model, data, P, args)
-        if imbalance:  # steps run in this process (a resumed arm records only its tail)
-            r["max/mean expert load, last 20% of steps"] = float(np.mean(imbalance[-max(1, len(imbalance) // 5):]))
-        effect = "MoE: KV-Mirror" if "Mirror" in arm else "MoE: loss-free balancing"
-        rows.extend([dict(effect=effect, arm=arm, metric=m, seed=seed, value=v) for m, v in r.items()])
+        if loads:  # steps run in this process (a resumed arm records only its tail)
+            load = torch.stack(loads[-max(1, len(loads) // 5):])  # last 20% of steps
+            r["max/mean expert load, last 20% of steps"] = (load.max(-1).values / load.mean(-1)).mean().item()
         if "Mirror" in arm:
-            rows.extend([dict(effect=effect, arm="KV-Mirror on", metric=x["metric"], seed=seed, value=x["value"])
-                         for x in rows if x["arm"] == "bias update on" and x["seed"] == seed and x["metric"] in ("loss", "acc")])
+            rows += result_rows("MoE: KV-Mirror", "KV-Mirror on", seed,
+                                {x["metric"]: x["value"] for x in rows if x["arm"] == "bias update on"
+                                 and x["metric"] in ("loss", "acc")})
+            rows += result_rows("MoE: KV-Mirror", arm, seed, {k: r[k] for k in ("loss", "acc")})
+        else:
+            rows += result_rows(MOE_BALANCE, arm, seed, r)
     return rows
 
 
 SUITES = {"hd": suite_hd, "tah": suite_tah, "moe": suite_moe}
 
+
+def planned_arms(suite, full):
+    """Training stages one seed of a suite runs (for the progress line)."""
+    return {"hd": 4 + 12 * full, "tah": 5 + 2 * full}.get(suite, 2 + full)
+
+
+def planned_steps(P, suite, full):
+    """Training steps one seed of a suite runs (for the progress line)."""
+    if suite == "hd":
+        return P.iters + 3 * P.hd_cont_iters + (12 * P.iters if full else 0)
+    if suite == "tah":
+        return P.tah_base_iters + (3 + 2 * full) * P.tah_sft_iters + P.decider_iters
+    return (2 + full) * P.iters
+
+
 PAPER = {
-    "HD: expansion factor n": "6B MoE loss: baseline 1.908, HD n=2 1.874, n=3 1.857 (HD Table 5)",
+    HD_N: "6B MoE loss: baseline 1.908, HD n=2 1.874, n=3 1.857 (HD Table 5); each stage continues the previous one's checkpoint (HD §2.3)",
+    TAH_ROUTING: "Qwen3-1.7B, avg acc: Standard 47.8, AlwaysThink 44.7, TaH 52.8 with ~6% of tokens iterated (TaH Tables 1, 9); AlwaysThink corrupts more than it corrects (Fig. 1b); decider imitates the oracle at ~83% (Fig. 6)",
+    TAH_SWEEP: "accuracy is robust across thresholds, ~6% iterated at 0.9 (TaH Fig. 4)",
+    TAH_DIAG: "overthink (false 'continue') costs about twice as much as underthink (TaH Table 10)",
+    MOE_BALANCE: "the bias keeps experts balanced without an auxiliary loss (DeepSeek-V3 §2.1.2)",
+    "HD: expansion factor n, from scratch": "HD is continued pretraining; from scratch is this project's contrast",
     "HD: stream-factorized layouts": "21B avg: baseline 54.33; SF(1) +1.55, SF(4) +2.16, all-full +2.62 (HD Table 4)",
     "HD: training objective": "loss: final 1.874 < sum 1.877 < all 1.880 (HD Table 5)",
     "HD: per-stream vs shared KV": "avg: per-stream 64.23 vs shared 63.46 (1 full layer) (HD Table 6)",
-    "HD: progressive expansion": "each stage starts from the previous one's checkpoint (HD §2.3)",
-    "TaH: routing": "1.7B avg acc: Standard 47.8, AlwaysThink 44.7, TaH 52.8 with ~6% iterated (TaH Tables 1, 9)",
-    "TaH: duo-causal": "avg: duo-causal 35.9 vs causal (depth-1 keys) 30.5 (TaH Table 2)",
-    "MoE: loss-free balancing": "bias keeps experts balanced without an auxiliary loss (DeepSeek-V3 §2.1.2)",
+    "TaH: duo-causal vs ablations": "avg: duo-causal 35.9 vs causal (depth-1 keys) 30.5 (TaH Table 2)",
     "MoE: KV-Mirror": "WeLM: KV-Mirror beats direct K/V reuse (blog; no number given)",
 }
+
+
+# -----------------------------------------------------------------------------
+# Verdicts: one rule, applied to every claim the default run tests
+
+
+@dataclass
+class Claim:
+    """The paper says `arm` differs from `baseline` (another arm, or a target number) in `metric`
+    with sign `sign` (+1: higher)."""
+    name: str
+    effect: str
+    arm: str
+    baseline: object
+    metric: str
+    sign: int
+
+
+CLAIMS = [
+    Claim("HD n=2 beats n=1 (continued from one checkpoint)", HD_N, "n=2 continued", "n=1 continued", "loss", -1),
+    Claim("HD n=4 beats n=1 (continued from one checkpoint)", HD_N, "n=4 continued", "n=1 continued", "loss", -1),
+    Claim("HD gain grows with n: n=4 beats n=2", HD_N, "n=4 continued", "n=2 continued", "loss", -1),
+    Claim("latent overthinking: AlwaysThink corrupts more than it corrects", TAH_ROUTING, "AlwaysThink", "AlwaysThink",
+          "corrupted - corrected vs Standard", +1),
+    Claim("AlwaysThink falls below Standard (paper: 44.7 vs 47.8)", TAH_ROUTING, "AlwaysThink", "Standard", "acc", -1),
+    Claim("TaH under the oracle beats Standard (upper bound)", TAH_ROUTING, "TaH, oracle routing (upper bound)",
+          "Standard", "acc", +1),
+    Claim("TaH under its decider beats Standard: answer digits", TAH_ROUTING, "TaH, decider routing (threshold 0.9)",
+          "Standard", "acc", +1),
+    Claim("TaH under its decider beats Standard: whole answers", TAH_ROUTING, "TaH, decider routing (threshold 0.9)",
+          "Standard", "exact match", +1),
+    Claim("decider imitates the oracle: balanced accuracy above 0.80", TAH_ROUTING,
+          "TaH, decider routing (threshold 0.9)", 0.80, "decider balanced acc", +1),
+    Claim("loss-free bias balances the experts", MOE_BALANCE, "bias update on", "bias update off",
+          "max/mean expert load, last 20% of steps", -1),
+]
+
+RULE = ("shown: over >= 2 seeds, the paired difference has the paper's sign in every seed and its mean "
+        "exceeds twice its standard deviation across seeds; otherwise not shown")
+
+
+def verdict(deltas, sign):
+    """The one rule (RULE) on per-seed paired differences arm - baseline."""
+    d = np.asarray(deltas, dtype=float)
+    if len(d) < 2 or not np.all(np.isfinite(d)):
+        return "not shown"
+    right_sign = np.all(np.sign(d) == sign)
+    return "shown" if right_sign and abs(d.mean()) > 2 * d.std(ddof=1) else "not shown"
+
+
+def claim_deltas(rows, claim):
+    """Per-seed differences for a claim, from the rows."""
+    val = {(r["arm"], r["metric"], r["seed"]): r["value"] for r in rows if r["effect"] == claim.effect}
+    seeds = sorted({s for (a, m, s) in val if a == claim.arm})
+    if claim.metric == "corrupted - corrected vs Standard":
+        return [val[(claim.arm, "corrupted vs Standard", s)] - val[(claim.arm, "corrected vs Standard", s)]
+                for s in seeds if (claim.arm, "corrupted vs Standard", s) in val]
+    if not isinstance(claim.baseline, str):  # a target number
+        return [val[(claim.arm, claim.metric, s)] - claim.baseline for s in seeds if (claim.arm, claim.metric, s) in val]
+    return [val[(claim.arm, claim.metric, s)] - val[(claim.baseline, claim.metric, s)]
+            for s in seeds if (claim.arm, claim.metric, s) in val and (claim.baseline, claim.metric, s) in val]
+
+
+def judge(rows):
+    out = []
+    for c in CLAIMS:
+        d = claim_deltas(rows, c)
+        if d:
+            out.append(dict(claim=c.name, metric=c.metric, deltas=d, mean=float(np.mean(d)),
+                            std=float(np.std(d, ddof=1)) if len(d) > 1 else 0.0, verdict=verdict(d, c.sign)))
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -565,18 +788,40 @@ def summarize(rows):
     return sorted(out, key=lambda s: order[s["effect"]])  # stable: arms keep their order
 
 
-def table(summary, header):
-    lines = [header, "", "| effect | arm | metric | mean ± std (seeds) | Δ vs first arm, paired by seed | paper |",
-             "|---|---|---|---|---|---|"]
-    last = None
-    for s in summary:
-        paper = next((v for k, v in PAPER.items() if s["effect"].startswith(k)), "")
-        fmt = (lambda x: f"{x:.0f}") if "corr" in s["metric"] else (lambda x: f"{x:.4f}")
-        cell = f"{fmt(s['mean'])} ± {fmt(s['std'])} ({s['n']})"
-        delta = f"{s['delta_mean']:+.4f} ± {s['delta_std']:.4f}" if "delta_mean" in s and "corr" not in s["metric"] else ""
-        first = s["effect"] != last
-        lines.append(f"| {s['effect'] if first else ''} | {s['arm']} | {s['metric']} | {cell} | {delta} | {paper if first else ''} |")
-        last = s["effect"]
+def fmt(metric, x):
+    return f"{x:.0f}" if "vs Standard" in metric else f"{x:.4f}"
+
+
+def table(summary, verdicts, header):
+    """One small table per effect (arms x metrics: mean ± std over seeds, and the difference to
+    the effect's first arm paired by seed), then the verdicts."""
+    lines = [header]
+    effects = dict.fromkeys(s["effect"] for s in summary)
+    for effect in effects:
+        cells = [s for s in summary if s["effect"] == effect]
+        metrics = list(dict.fromkeys(s["metric"] for s in cells))
+        arms = list(dict.fromkeys(s["arm"] for s in cells))
+        paper = next((v for k, v in PAPER.items() if effect.startswith(k)), "")
+        lines += ["", f"**{effect}**" + (f" (paper: {paper})" if paper else ""), "",
+                  "| arm | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
+        for arm in arms:
+            row = []
+            for m in metrics:
+                s = next((c for c in cells if c["arm"] == arm and c["metric"] == m), None)
+                if s is None:
+                    row.append("")
+                    continue
+                cell = f"{fmt(m, s['mean'])} ± {fmt(m, s['std'])}"
+                if "delta_mean" in s and "vs Standard" not in m:
+                    cell += f" (Δ {s['delta_mean']:+.4f} ± {s['delta_std']:.4f})"
+                row.append(cell)
+            lines.append(f"| {arm} | " + " | ".join(row) + " |")
+    if verdicts:
+        lines += ["", f"**Verdicts** ({RULE}; Δ = arm - baseline, paired by seed)", "",
+                  "| claim | metric | Δ mean ± std | per seed | verdict |", "|---|---|---|---|---|"]
+        for v in verdicts:
+            per = ", ".join(f"{d:+.4g}" for d in v["deltas"])
+            lines.append(f"| {v['claim']} | {v['metric']} | {v['mean']:+.4f} ± {v['std']:.4f} | {per} | **{v['verdict']}** |")
     return "\n".join(lines)
 
 
@@ -598,8 +843,7 @@ def plot(run_dir, out_dir):
         for (s, arm), runs in curves.items():
             if s == suite:
                 mean = np.mean([r[:min(map(len, runs))] for r in runs], axis=0)  # mean over seeds
-                label = f"{arm} (stage-2 BCE)" if arm == "decider" else arm
-                ax.plot(np.convolve(mean, np.ones(10) / 10, mode="valid"), label=label, lw=1)
+                ax.plot(np.convolve(mean, np.ones(10) / 10, mode="valid"), label=arm, lw=1)
         ax.set_title(suite)
         ax.set_xlabel("step")
         ax.legend(fontsize=6)
@@ -610,12 +854,41 @@ def plot(run_dir, out_dir):
     return path
 
 
+def plot_sweep(summary, out_dir):
+    """TaH's compute-accuracy trade-off: answer-digit accuracy vs tokens iterated."""
+    pts = {}
+    for s in summary:
+        if s["effect"] == TAH_SWEEP:
+            pts.setdefault(s["arm"], {})[s["metric"]] = s["mean"]
+    if not pts:
+        return None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 4))
+    sweep = [(v["iterated"], v["acc"]) for a, v in pts.items() if a.startswith("TaH")]
+    ax.plot(*zip(*sweep), "o-", label="TaH decider, thresholds")
+    for arm in ("Standard", "AlwaysThink"):
+        if arm in pts:
+            ax.plot(pts[arm]["iterated"], pts[arm]["acc"], "s", label=arm)
+    ax.set_xlabel("tokens iterated (fraction of all positions)")
+    ax.set_ylabel("answer-digit accuracy (held-out)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "tah_tradeoff.png"
+    fig.savefig(path, dpi=120)
+    return path
+
+
 # -----------------------------------------------------------------------------
 
 
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", default="headline", help="headline (default), all, or a comma list of hd,tah,moe")
+    ap.add_argument("--suite", default="headline", help="headline (default: the HD and TaH demonstrations), all (every arm of hd, tah and moe), or a comma list of hd,tah,moe")
     ap.add_argument("--preset", choices=sorted(PRESETS), help="default: gpu with CUDA, cpu without")
     ap.add_argument("--smoke", action="store_true", help="every suite's code path, tiny and fast")
     ap.add_argument("--data", help="train the HD and MoE suites on this text file instead of Shakespeare")
@@ -628,12 +901,18 @@ def parse(argv):
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="CPU threads (default 2: the README's numbers and timings used 2; float sums, and so "
+                         "the last digits, depend on it)")
+    ap.add_argument("--dev", action="store_true",
+                    help="evaluate on the dev set instead of the held-out set: for trying things out")
     args = ap.parse_args(argv)
-    names = {"headline": ["hd", "tah", "moe"], "all": ["hd", "tah", "moe"]}.get(args.suite, args.suite.split(","))
+    headline = ["hd", "tah", "moe"] if args.smoke else ["hd", "tah"]  # --smoke: every code path
+    names = {"headline": headline, "all": ["hd", "tah", "moe"]}.get(args.suite, args.suite.split(","))
     bad = [s for s in names if s not in SUITES]
     if bad:
         ap.error(f"unknown suite(s) {bad}; choose headline, all, or from {sorted(SUITES)}")
-    for k in ("seeds", "iters", "accum", "log_every", "ckpt_every"):
+    for k in ("seeds", "iters", "accum", "log_every", "ckpt_every", "threads"):
         v = getattr(args, k)
         if v is not None and v < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
@@ -643,6 +922,7 @@ def parse(argv):
         ap.error("--device cuda: CUDA is not available")
     args.suites = names
     args.full = args.suite == "all"
+    args.eval_split, args.eval_seed = ("dev", 104729) if args.dev else ("val", 7919)
     return args
 
 
@@ -664,18 +944,25 @@ def main(argv=None):
     except OSError as e:
         raise SystemExit(f"error: output folder {out} is not writable ({e})")
     torch.set_float32_matmul_precision("high")
+    torch.set_num_threads(args.threads)
     text = text_data(Path(args.data).read_text(encoding="utf-8"), out, Path(args.data).stem) if args.data \
         else shakespeare(out, P.plays)
     arith = Arith(P.digits)
     log(f"preset {'smoke' if args.smoke else args.preset or 'auto'}: {P}")
     log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}; arith: {P.digits}-digit addition")
-    key = hashlib.sha256(json.dumps([asdict(P), args.muon, args.data, args.full or args.smoke]).encode()).hexdigest()[:10]
+    code = [hashlib.sha256((HERE / f).read_bytes()).hexdigest() for f in ("moe.py", "hd.py", "tah.py", "train_tiny.py")]
+    data_key = hashlib.sha256(text.tokens.tobytes()).hexdigest()
+    key = hashlib.sha256(json.dumps([asdict(P), args.muon, args.accum, args.device, args.threads, args.dev, data_key,
+                                     code, args.full or args.smoke]).encode()).hexdigest()[:10]
     args.run_dir = out / f"run-{key}"  # checkpoints and finished rows of this exact configuration
     args.run_dir.mkdir(exist_ok=True)
     rows_path = args.run_dir / "rows.json"
     rows = json.loads(rows_path.read_text()) if rows_path.exists() else []
     done = {(r["suite"], r["seed"]) for r in rows}
     t0 = time.time()
+    todo = [(suite, seed) for suite in args.suites for seed in range(P.seeds) if (suite, seed) not in done]
+    PROGRESS.total = sum(planned_steps(P, suite, args.full or args.smoke) for suite, _ in todo)
+    PROGRESS.arms = sum(planned_arms(suite, args.full or args.smoke) for suite, _ in todo)
     for suite in args.suites:
         for seed in range(P.seeds):
             if (suite, seed) in done:
@@ -688,17 +975,20 @@ def main(argv=None):
             rows += new
             if MASTER:
                 atomic(rows_path, lambda f: f.write(json.dumps(rows, indent=1).encode()))
-    summary = summarize(rows)
-    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
+    summary, verdicts = summarize(rows), judge(rows)
+    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
+        f"CPU ({os.cpu_count()} cores, {args.threads} threads)"
     header = (f"Measured by `python train_tiny.py {' '.join(sys.argv[1:] if argv is None else argv)}` on {dev}, "
-              f"{P.seeds} seed(s), {P.iters} steps per arm, {time.time() - t0:.0f} s for this invocation.")
-    md = table(summary, header)
+              f"{P.seeds} seed(s), evaluated on the {'dev' if args.dev else 'held-out'} set; "
+              f"{time.time() - t0:.0f} s for this invocation.")
+    md = table(summary, verdicts, header)
     if MASTER:
         atomic(out / "results.md", lambda f: f.write((md + "\n").encode()))
         atomic(out / "results.json", lambda f: f.write(json.dumps(
-            {"preset": asdict(P), "device": dev, "summary": summary}, indent=1).encode()))
-        png = plot(args.run_dir, out)
-        log("\n" + md + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}" + (f", {png}" if png else ""))
+            {"preset": asdict(P), "device": dev, "eval_set": args.eval_split, "rule": RULE, "summary": summary,
+             "verdicts": verdicts}, indent=1).encode()))
+        png = [p for p in (plot(args.run_dir, out), plot_sweep(summary, out)) if p]
+        log("\n" + md + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in png))
     if DDP:
         dist.destroy_process_group()
 
