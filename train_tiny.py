@@ -978,7 +978,8 @@ def main(argv=None):
     summary, verdicts = summarize(rows), judge(rows)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"CPU ({os.cpu_count()} cores, {args.threads} threads)"
-    header = (f"Measured by `python train_tiny.py {' '.join(sys.argv[1:] if argv is None else argv)}` on {dev}, "
+    command = " ".join(["python train_tiny.py"] + (sys.argv[1:] if argv is None else argv))
+    header = (f"Measured by `{command}` on {dev}, "
               f"{P.seeds} seed(s), evaluated on the {'dev' if args.dev else 'held-out'} set; "
               f"{time.time() - t0:.0f} s for this invocation.")
     md = table(summary, verdicts, header)
