@@ -257,3 +257,132 @@ def test_unwritable_output_and_missing_package_fail_clearly(tmp_path):
         tt.main(["--smoke", "--out", str(blocker / "sub")])
     with pytest.raises(SystemExit, match="not installed"):
         tt.package_dir("no_such_package_here")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--device", "foo"], "--device must be"),
+    (["--device", "meta"], "--device must be"),
+    (["--suite", "moe,moe"], "twice"),
+    (["--smoke", "--preset", "cpu"], "not both"),
+    (["--out", ""], "--out must name a folder"),
+    (["--threads", "0"], "--threads"),
+])
+def test_more_bad_arguments_exit_with_one_clear_message(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        tt.parse(argv)
+    assert e.value.code != 0
+    assert words in capsys.readouterr().err
+
+
+def test_data_that_no_suite_reads_or_that_is_a_folder_is_refused(tmp_path, capsys):
+    f = tmp_path / "t.txt"
+    f.write_text("some text " * 100)
+    with pytest.raises(SystemExit):
+        tt.parse(["--data", str(f), "--suite", "tah"])
+    with pytest.raises(SystemExit):
+        tt.parse(["--data", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "hd and moe suites only" in err and "it is a folder" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_device_without_cuda_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        tt.parse(["--device", "cuda:0"])
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_rank_without_world_size_is_one_clear_error():
+    assert tt.dist_env({}) == (False, 0, 1)
+    assert tt.dist_env({"RANK": "1", "WORLD_SIZE": "2"}) == (True, 1, 2)
+    with pytest.raises(SystemExit, match="WORLD_SIZE"):
+        tt.dist_env({"RANK": "0"})
+    with pytest.raises(SystemExit, match="not in"):
+        tt.dist_env({"RANK": "3", "WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize("content, words", [(b"", "empty"), (b"\x00\x01\x02binary\x00" * 50, "binary"),
+                                            (b"\xff\xfe\xfa" * 50, "not UTF-8"), (b"Too short.", "too short")])
+def test_bad_data_files_fail_before_any_training(tmp_path, content, words):
+    f = tmp_path / "d.txt"
+    f.write_bytes(content)
+    with pytest.raises(SystemExit, match=words):
+        tt.main(["--smoke", "--suite", "moe", "--data", str(f), "--out", str(tmp_path / "out")])
+    assert not list((tmp_path / "out").glob("run-*/ckpt/*.pt"))  # nothing trained
+
+
+def test_non_finite_loss_stops_the_run_naming_the_arm_and_step(tmp_path):
+    P = tt.Preset(block=16, batch=4, iters=5, warmup=2, lr=3e-3)
+    args = Namespace(device="cpu", run_dir=tmp_path, muon=False, accum=1, log_every=100, ckpt_every=1)
+    calls = []
+
+    def blows_up(m, x, y):
+        calls.append(1)
+        loss = tt.lm_loss(m, x, y)
+        return loss * float("nan") if len(calls) == 3 else loss
+    with pytest.raises(SystemExit, match=r"\[arm s0\] loss is nan at step 3"):
+        tt.train("arm", small(), blows_up, tt.Arith(2), P, args, seed=0)
+
+
+def test_a_damaged_checkpoint_gives_one_line_naming_the_file(tmp_path):
+    P = tt.Preset(block=16, batch=4, iters=3, warmup=1, lr=3e-3)
+    args = Namespace(device="cpu", run_dir=tmp_path, muon=False, accum=1, log_every=100, ckpt_every=1)
+    tt.train("arm", small(), tt.lm_loss, tt.Arith(2), P, args, seed=0)
+    ckpt = tmp_path / "ckpt" / "arm_s0.pt"
+    state = torch.load(ckpt, weights_only=False)
+    next(v for v in state["model"].values() if v.is_floating_point()).view(-1)[0] = float("nan")
+    torch.save(state, ckpt)
+    with pytest.raises(SystemExit, match="non-finite weights.*--fresh"):
+        tt.train("arm", small(), tt.lm_loss, tt.Arith(2), P, args, seed=0)
+    ckpt.write_bytes(ckpt.read_bytes()[:100])  # truncated
+    with pytest.raises(SystemExit, match=f"{ckpt.name} cannot be resumed"):
+        tt.train("arm", small(), tt.lm_loss, tt.Arith(2), P, args, seed=0)
+
+
+def test_damaged_rows_file_orphaned_temporaries_and_fresh(tmp_path):
+    argv = ["--smoke", "--suite", "tah", "--out", str(tmp_path)]
+    tt.main(argv)
+    (run,) = tmp_path.glob("run-*")
+    orphan = run / "ckpt" / "x.pt.123.tmp"
+    orphan.write_bytes(b"half")
+    tt.main(argv)
+    assert not orphan.exists()
+    (run / "rows.json").write_text('[{"suite": "tah", ')
+    with pytest.raises(SystemExit, match="rows.json is damaged"):
+        tt.main(argv)
+    tt.main(argv + ["--fresh"])
+    assert json.loads((run / "rows.json").read_text())
+
+
+def test_the_run_key_changes_with_the_data_content(tmp_path):
+    f = tmp_path / "d.txt"
+    f.write_text("When shall we three meet again\nIn thunder, lightning, or in rain?\n" * 60)
+    argv = ["--smoke", "--suite", "moe", "--data", str(f), "--out", str(tmp_path / "out")]
+    tt.main(argv)
+    f.write_text("When the hurlyburly's done,\nWhen the battle's lost and won.\n" * 60)
+    tt.main(argv)
+    assert len(list((tmp_path / "out").glob("run-*"))) == 2  # the edited file was not taken as done
+
+
+@pytest.mark.parametrize("suite, arm, step", [("moe", "moe/bias update on", 2), ("moe", "moe/bias update off", 1),
+                                              ("tah", "tah/TaH stage 1", 2), ("hd", "hd/n=2 continued", 1)])
+def test_every_reported_number_is_the_same_after_a_kill_and_resume(tmp_path, monkeypatch, suite, arm, step):
+    base = ["--smoke", "--suite", suite, "--ckpt-every", "1"]
+    tt.main(base + ["--out", str(tmp_path / "straight")])
+    real, killed = tt.train, []
+
+    class Killed(Exception):
+        pass
+
+    def dies_once(name, model, loss_fn, data, P, args, seed, on_step=None):
+        def kill(done):
+            if name == arm and done == step and not killed:
+                killed.append(done)
+                raise Killed
+        return real(name, model, loss_fn, data, P, args, seed, on_step=kill)
+    monkeypatch.setattr(tt, "train", dies_once)
+    with pytest.raises(Killed):
+        tt.main(base + ["--out", str(tmp_path / "resumed")])
+    tt.main(base + ["--out", str(tmp_path / "resumed")])
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("straight", "resumed"))
+    assert killed and a["summary"] == b["summary"] and a["verdicts"] == b["verdicts"]

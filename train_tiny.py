@@ -27,6 +27,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -122,6 +123,29 @@ def text_data(text, cache_dir, tag):
     """TextData cached under a name keyed by the text's content."""
     key = hashlib.sha256(text.encode()).hexdigest()[:12]
     return TextData(text, Path(cache_dir) / f"{tag}_cl100k_{key}.npz")
+
+
+def load_text(args, P, out):
+    """The text the hd and moe suites train on: --data, or Shakespeare; checked before any training."""
+    if not any(s in ("hd", "moe") for s in args.suites):
+        return None
+    if not args.data:
+        text = shakespeare(out, P.plays)
+    else:
+        raw = Path(args.data).read_bytes()
+        try:
+            content = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SystemExit(f"error: --data {args.data} is not UTF-8 text")
+        if "\x00" in content or not content.strip():
+            raise SystemExit(f"error: --data {args.data} is " + ("binary" if content.strip() else "empty"))
+        text = text_data(content, out, Path(args.data).stem)
+    need = P.block + 2
+    short = {k: len(v) for k, v in text.split.items() if len(v) < need}
+    if short:
+        raise SystemExit(f"error: the text is too short: its splits have {short} tokens, each needs at least "
+                         f"{need} (block {P.block} + 2); give a longer --data")
+    return text
 
 
 def shakespeare(cache_dir, plays):
@@ -237,8 +261,21 @@ PRESETS = {
 # -----------------------------------------------------------------------------
 # Distributed setup (torchrun) and the trainer
 
-DDP = int(os.environ.get("RANK", -1)) != -1
-RANK, WORLD = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if DDP else (0, 1)
+def dist_env(env):
+    """(ddp, rank, world) from torchrun's variables, with one clear error when they do not fit."""
+    if env.get("RANK") is None:
+        return False, 0, 1
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        raise SystemExit(f"error: RANK={env.get('RANK')!r} needs an integer WORLD_SIZE (got "
+                         f"{env.get('WORLD_SIZE')!r}); launch with torchrun, or unset RANK")
+    if not 0 <= rank < world:
+        raise SystemExit(f"error: RANK={rank} is not in [0, WORLD_SIZE={world})")
+    return True, rank, world
+
+
+DDP, RANK, WORLD = dist_env(os.environ)
 MASTER = RANK == 0
 
 
@@ -303,11 +340,18 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
     opts = make_optimizer(model, P.lr, args.muon)
     start, losses = 0, []
     if ckpt.exists():
-        state = torch.load(ckpt, map_location=dev, weights_only=False)
-        model.load_state_dict(state["model"])
-        for o, s in zip(opts, state["opts"]):
-            o.load_state_dict(s)
-        start, losses = state["iter"], state["losses"]
+        try:
+            state = torch.load(ckpt, map_location=dev, weights_only=False)
+            model.load_state_dict(state["model"])
+            for o, s in zip(opts, state["opts"]):
+                o.load_state_dict(s)
+            start, losses = state["iter"], state["losses"]
+        except Exception as e:
+            raise SystemExit(f"error: checkpoint {ckpt} cannot be resumed ({type(e).__name__}); "
+                             f"delete it to train this arm again, or run with --fresh")
+        if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
+            raise SystemExit(f"error: checkpoint {ckpt} holds non-finite weights; delete it to train this "
+                             f"arm again, or run with --fresh")
         if start < P.iters:
             log(f"[{name} s{seed}] resuming at step {start}")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -348,6 +392,9 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
             o.zero_grad(set_to_none=True)
         if any(p.requires_grad for p in backbone_of(model).parameters()):
             backbone_of(model).update_router_bias()  # loss-free balancing, after the step
+        if not math.isfinite(total):
+            raise SystemExit(f"error: [{name} s{seed}] loss is {total} at step {it + 1}; nothing after it "
+                             f"is reported (try a lower lr)")
         losses.append(total)
         PROGRESS.done += 1
         done = it + 1
@@ -399,6 +446,7 @@ TAH_ROUTING = "TaH: routing (addition, answer digits)"
 TAH_SWEEP = "TaH: decider threshold sweep"
 TAH_DIAG = "TaH: diagnostics"
 MOE_BALANCE = "MoE: loss-free balancing"
+MOE_LOAD = "max/mean expert load (held-out batches)"
 
 
 def backbone_cfg(P, vocab, **kw):
@@ -639,15 +687,16 @@ def suite_moe(P, args, seed, data, full):
     for arm, kw in arms:
         torch.manual_seed(seed)
         model = Transformer(ModelConfig(**backbone_cfg(P, data.vocab_size, **kw))).to(args.device)
+        train(f"moe/{arm}", model, lm_loss, data, P, args, seed)
         loads = []
 
-        def watch(step, model=model):
-            loads.append(model.expert_load().float().cpu())
-        train(f"moe/{arm}", model, lm_loss, data, P, args, seed, on_step=watch)
-        r = evaluate(model, data, P, args)
-        if loads:  # steps run in this process (a resumed arm records only its tail)
-            load = torch.stack(loads[-max(1, len(loads) // 5):])  # last 20% of steps
-            r["max/mean expert load, last 20% of steps"] = (load.max(-1).values / load.mean(-1)).mean().item()
+        def watch(m, x, y):  # the trained model's expert loads on each held-out batch
+            out = m(x, y)[:2]
+            loads.append(m.expert_load().float().cpu())
+            return out
+        r = evaluate(model, data, P, args, watch)
+        load = torch.stack(loads)  # (batches, layers, experts)
+        r[MOE_LOAD] = (load.max(-1).values / load.mean(-1)).mean().item()
         if "Mirror" in arm:
             rows += result_rows("MoE: KV-Mirror", "KV-Mirror on", seed,
                                 {x["metric"]: x["value"] for x in rows if x["arm"] == "bias update on"
@@ -721,8 +770,7 @@ CLAIMS = [
           "Standard", "exact match", +1),
     Claim("decider imitates the oracle: balanced accuracy above 0.80", TAH_ROUTING,
           "TaH, decider routing (threshold 0.9)", 0.80, "decider balanced acc", +1),
-    Claim("loss-free bias balances the experts", MOE_BALANCE, "bias update on", "bias update off",
-          "max/mean expert load, last 20% of steps", -1),
+    Claim("loss-free bias balances the experts", MOE_BALANCE, "bias update on", "bias update off", MOE_LOAD, -1),
 ]
 
 RULE = ("shown: over >= 2 seeds, the paired difference has the paper's sign in every seed and its mean "
@@ -904,6 +952,8 @@ def parse(argv):
     ap.add_argument("--threads", type=int, default=2,
                     help="CPU threads (default 2: the README's numbers and timings used 2; float sums, and so "
                          "the last digits, depend on it)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="delete this configuration's checkpoints and finished rows first, and train everything again")
     ap.add_argument("--dev", action="store_true",
                     help="evaluate on the dev set instead of the held-out set: for trying things out")
     args = ap.parse_args(argv)
@@ -912,14 +962,27 @@ def parse(argv):
     bad = [s for s in names if s not in SUITES]
     if bad:
         ap.error(f"unknown suite(s) {bad}; choose headline, all, or from {sorted(SUITES)}")
+    if len(set(names)) != len(names):
+        ap.error(f"--suite {args.suite} names a suite twice")
+    if args.smoke and args.preset:
+        ap.error("--smoke is its own preset; give --smoke or --preset, not both")
+    if not args.out.strip():
+        ap.error("--out must name a folder")
+    if args.data and not any(s in ("hd", "moe") for s in names):
+        ap.error("--data feeds the hd and moe suites only; this run has neither")
     for k in ("seeds", "iters", "accum", "log_every", "ckpt_every", "threads"):
         v = getattr(args, k)
         if v is not None and v < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
     if args.data and not Path(args.data).is_file():
-        ap.error(f"--data {args.data}: no such file")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: CUDA is not available")
+        ap.error(f"--data {args.data}: no such file" + (" (it is a folder)" if Path(args.data).is_dir() else ""))
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        ap.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            ap.error(f"--device {args.device}: CUDA is not available")
+        if ":" in args.device and int(args.device.split(":")[1]) >= torch.cuda.device_count():
+            ap.error(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s)")
     args.suites = names
     args.full = args.suite == "all"
     args.eval_split, args.eval_seed = ("dev", 104729) if args.dev else ("val", 7919)
@@ -945,19 +1008,27 @@ def main(argv=None):
         raise SystemExit(f"error: output folder {out} is not writable ({e})")
     torch.set_float32_matmul_precision("high")
     torch.set_num_threads(args.threads)
-    text = text_data(Path(args.data).read_text(encoding="utf-8"), out, Path(args.data).stem) if args.data \
-        else shakespeare(out, P.plays)
+    text = load_text(args, P, out)
     arith = Arith(P.digits)
     log(f"preset {'smoke' if args.smoke else args.preset or 'auto'}: {P}")
-    log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}; arith: {P.digits}-digit addition")
+    if text is not None:
+        log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}")
     code = [hashlib.sha256((HERE / f).read_bytes()).hexdigest() for f in ("moe.py", "hd.py", "tah.py", "train_tiny.py")]
-    data_key = hashlib.sha256(text.tokens.tobytes()).hexdigest()
+    data_key = hashlib.sha256(text.tokens.tobytes()).hexdigest() if text is not None else None
     key = hashlib.sha256(json.dumps([asdict(P), args.muon, args.accum, args.device, args.threads, args.dev, data_key,
                                      code, args.full or args.smoke]).encode()).hexdigest()[:10]
     args.run_dir = out / f"run-{key}"  # checkpoints and finished rows of this exact configuration
+    if args.fresh and MASTER and args.run_dir.exists():
+        shutil.rmtree(args.run_dir)
     args.run_dir.mkdir(exist_ok=True)
+    for tmp in args.run_dir.rglob("*.tmp"):  # left by a run killed mid-write
+        tmp.unlink(missing_ok=True)
     rows_path = args.run_dir / "rows.json"
-    rows = json.loads(rows_path.read_text()) if rows_path.exists() else []
+    try:
+        rows = json.loads(rows_path.read_text()) if rows_path.exists() else []
+    except ValueError:
+        raise SystemExit(f"error: {rows_path} is damaged; delete it (the checkpoints beside it are reused), "
+                         f"or run with --fresh")
     done = {(r["suite"], r["seed"]) for r in rows}
     t0 = time.time()
     todo = [(suite, seed) for suite in args.suites for seed in range(P.seeds) if (suite, seed) not in done]
