@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from moe import ModelConfig, Transformer, cached_generate, dense_mask
+from moe import ModelConfig, Transformer, cached_generate, check_tokens, dense_mask
 
 # -----------------------------------------------------------------------------
 # Config
@@ -231,6 +231,7 @@ class HiddenDecoding(nn.Module):
         (the returned logits are still the final stream's). "sum": the n stream states of
         token i are summed, then normed and projected (HD §5.1).
         """
+        check_tokens(idx, targets, self.cfg.vocab_size)
         n = self.cfg.n_streams
         h = self.hidden(idx, caches)
         B, L = idx.shape

@@ -89,11 +89,15 @@ class ModelConfig:
         if self.rope_dim < 2 or self.rope_dim % 2:
             raise ValueError(f"rope_fraction * head_dim must round to an even number >= 2, got "
                              f"{self.rope_fraction} * {self.head_dim} -> {self.rope_dim}")
+        for name in ("rope_fraction", "rope_base", "balance_gamma", "norm_eps"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)) \
+                    or not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         if self.rope_base <= 1.0:
             raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
         if not isinstance(self.n_experts, int) or self.n_experts < 0:
             raise ValueError(f"n_experts must be an int >= 0, got {self.n_experts!r}")
-        if self.n_experts > 0 and not 1 <= self.top_k <= self.n_experts:
+        if self.n_experts > 0 and (not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.n_experts):
             raise ValueError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
         if self.balance_gamma < 0:
             raise ValueError(f"balance_gamma must be >= 0, got {self.balance_gamma}")
@@ -378,6 +382,7 @@ class Transformer(nn.Module):
 
     def forward(self, idx, targets=None, caches=None):
         """idx (B, T) -> (logits (B, T, V), loss or None). With caches, idx continues them."""
+        check_tokens(idx, targets, self.cfg.vocab_size)
         B, T = idx.shape
         start = 0 if caches is None else len(caches[0])
         if start + T > self.cfg.block_size:
@@ -414,6 +419,7 @@ class Transformer(nn.Module):
 def cached_generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
     """Sample max_new_tokens after idx (B, T) with one KV cache per layer; temperature 0 is
     greedy. Serves any model whose forward(idx, caches=...) continues its caches (moe, hd)."""
+    check_generation(idx, max_new_tokens, temperature, top_k, model.cfg.vocab_size)
     if idx.size(1) + max_new_tokens > model.cfg.block_size:
         raise ValueError(f"prompt {idx.size(1)} + max_new_tokens {max_new_tokens} exceeds "
                          f"block_size={model.cfg.block_size}")
@@ -426,12 +432,46 @@ def cached_generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, gen
     return idx
 
 
+def check_tokens(idx, targets, vocab_size):
+    """Model inputs: idx (B, T) integer ids in [0, vocab_size) with B, T >= 1; targets None or
+    integer ids of exactly idx's shape in [0, vocab_size), -1 = ignored, at least one kept."""
+    if not isinstance(idx, torch.Tensor) or idx.dtype.is_floating_point or idx.dtype.is_complex \
+            or idx.dtype == torch.bool:
+        raise ValueError(f"idx must be an integer tensor of token ids, got {getattr(idx, 'dtype', type(idx))}")
+    if idx.dim() != 2 or idx.numel() == 0:
+        raise ValueError(f"idx must have shape (B, T) with B, T >= 1, got {tuple(idx.shape)}")
+    if idx.min() < 0 or idx.max() >= vocab_size:
+        raise ValueError(f"idx must hold ids in [0, vocab_size={vocab_size}), got [{idx.min().item()}, {idx.max().item()}]")
+    if targets is None:
+        return
+    if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor, got {getattr(targets, 'dtype', type(targets))}")
+    if targets.shape != idx.shape:
+        raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+    if targets.min() < -1 or targets.max() >= vocab_size:
+        raise ValueError(f"targets must be ids in [0, vocab_size={vocab_size}) or -1 (ignored), got "
+                         f"[{targets.min().item()}, {targets.max().item()}]")
+    if (targets == -1).all():
+        raise ValueError("every target is -1 (ignored): the loss would be 0/0")
+
+
+def check_generation(idx, max_new_tokens, temperature, top_k, vocab_size):
+    check_tokens(idx, None, vocab_size)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    check_sampling(temperature, top_k, vocab_size)
+
+
+def check_sampling(temperature, top_k, vocab_size):
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab_size):
+        raise ValueError(f"top_k must be an int in [1, {vocab_size}], got {top_k!r}")
+
+
 def sample(logits, temperature=1.0, top_k=None, generator=None):
     """One token id per row of logits (B, V), as a (B, 1) tensor."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and not 1 <= top_k <= logits.size(-1):
-        raise ValueError(f"top_k must be in [1, {logits.size(-1)}], got {top_k}")
+    check_sampling(temperature, top_k, logits.size(-1))
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
     logits = logits.float() / temperature

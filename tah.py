@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from moe import KVCache, ModelConfig, Transformer, sample
+from moe import KVCache, ModelConfig, Transformer, check_generation, check_tokens, sample
 
 MODES = ("standard", "always", "oracle", "decider")
 
@@ -73,18 +73,23 @@ class TaHConfig(ModelConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.max_depth, int) or self.max_depth < 1:
+        for name in ("max_depth", "lora_rank", "topk", "decider_hidden"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+        if self.max_depth < 1:
             raise ValueError(f"max_depth must be an int >= 1, got {self.max_depth!r}")
         if self.lora_rank < 1:
             raise ValueError(f"lora_rank must be >= 1, got {self.lora_rank}")
+        if not isinstance(self.lora_alpha, (int, float)) or not math.isfinite(self.lora_alpha):
+            raise ValueError(f"lora_alpha must be a finite number, got {self.lora_alpha!r}")
         if not 1 <= self.topk <= self.vocab_size:
             raise ValueError(f"topk must be in [1, vocab_size={self.vocab_size}], got {self.topk}")
         if not 0.0 < self.threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
         self.decider_layers = tuple(self.decider_layers) or (0, self.n_layer // 2, self.n_layer - 1)
-        bad = [l for l in self.decider_layers if not 0 <= l < self.n_layer]
+        bad = [l for l in self.decider_layers if isinstance(l, bool) or not isinstance(l, int) or not 0 <= l < self.n_layer]
         if bad:
-            raise ValueError(f"decider_layers {bad} do not exist (n_layer={self.n_layer})")
+            raise ValueError(f"decider_layers must be block indices in [0, n_layer={self.n_layer}), got {bad}")
         if self.decider_hidden < 1:
             raise ValueError(f"decider_hidden must be >= 1, got {self.decider_hidden}")
         if self.attention not in ("duo", "first_depth", "depth_local"):
@@ -250,11 +255,14 @@ class ThinkAtHard(nn.Module):
         cfg = self.cfg
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_tokens(idx, targets, cfg.vocab_size)
         B, T = idx.shape
         dev = idx.device
         if mode == "oracle":
             if depths is None or depths.shape != idx.shape:
                 raise ValueError("mode 'oracle' needs depths of the same shape as idx")
+            if depths.dtype.is_floating_point or depths.dtype == torch.bool:
+                raise ValueError(f"depths must be integers (passes per token), got {depths.dtype}")
             if depths.min() < 1 or depths.max() > cfg.max_depth:
                 raise ValueError(f"depths must be in [1, max_depth={cfg.max_depth}], got "
                                  f"[{depths.min().item()}, {depths.max().item()}]")
@@ -362,6 +370,7 @@ class ThinkAtHard(nn.Module):
         """Token-by-token decoding with a per-(layer, depth) cache; the decider (or another
         routing mode) sets each token's depth. Returns (tokens (B, T + new), depths of every
         token that entered the model (B, T + new - 1))."""
+        check_generation(idx, max_new_tokens, temperature, top_k, self.cfg.vocab_size)
         if idx.size(1) + max_new_tokens > self.cfg.block_size:
             raise ValueError(f"prompt {idx.size(1)} + max_new_tokens {max_new_tokens} exceeds "
                              f"block_size={self.cfg.block_size}")

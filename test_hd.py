@@ -372,3 +372,16 @@ def test_too_long_sequence_raises():
         model(torch.zeros(1, 9, dtype=torch.long))
     with pytest.raises(ValueError, match="block_size"):
         model.generate(torch.zeros(1, 5, dtype=torch.long), 4)
+
+
+def test_bad_inputs_raise_one_clear_error():
+    model = HiddenDecoding(hd_cfg())
+    V = model.cfg.vocab_size
+    with pytest.raises(ValueError, match="idx must hold ids"):
+        model(torch.full((1, 4), V))
+    with pytest.raises(ValueError, match="targets must have idx's shape"):
+        model(torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="every target is -1"):
+        model(torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3), -1))
+    with pytest.raises(ValueError, match="integer tensor"):
+        model(torch.zeros(2, 3))

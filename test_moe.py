@@ -409,6 +409,12 @@ def test_too_long_input_raises():
     (dict(n_embd=0), "n_embd"),
     (dict(head_dim=0), "head_dim"),
     (dict(expert_hidden=0), "expert_hidden"),
+    (dict(rope_base=float("nan")), "rope_base"),
+    (dict(rope_base=float("inf")), "rope_base"),
+    (dict(norm_eps=float("nan")), "norm_eps"),
+    (dict(balance_gamma=float("nan")), "balance_gamma"),
+    (dict(rope_fraction=float("nan")), "rope_fraction"),
+    (dict(n_experts=4, top_k=1.5), "top_k"),
 ])
 def test_invalid_config_raises_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
@@ -420,3 +426,37 @@ def test_sample_rejects_bad_arguments():
         moe.sample(torch.zeros(1, 5), temperature=-1)
     with pytest.raises(ValueError, match="top_k"):
         moe.sample(torch.zeros(1, 5), top_k=6)
+
+
+@pytest.mark.parametrize("idx, targets, words", [
+    (torch.tensor([[1, 2, 64]]), None, "idx must hold ids in"),
+    (torch.tensor([[1, -2, 3]]), None, "idx must hold ids in"),
+    (torch.tensor([[1.0, 2.0]]), None, "integer tensor"),
+    (torch.tensor([True, False])[None], None, "integer tensor"),
+    (torch.tensor([1, 2, 3]), None, r"shape \(B, T\)"),
+    (torch.zeros(1, 0, dtype=torch.long), None, r"shape \(B, T\)"),
+    (torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, 2, dtype=torch.long), "targets must have idx's shape"),
+    (torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3), -1), "every target is -1"),
+    (torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3), 64), "targets must be ids"),
+    (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3), "targets must be an integer tensor"),
+])
+def test_bad_model_inputs_raise_one_clear_error(idx, targets, words):
+    model = Transformer(small_cfg(vocab_size=64))
+    with pytest.raises(ValueError, match=words):
+        model(idx, targets)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_k=1.5), "top_k"),
+    (dict(idx=torch.zeros(1, 0, dtype=torch.long)), "idx must have shape"),
+])
+def test_bad_generation_arguments_raise_one_clear_error(kw, words):
+    model = Transformer(small_cfg(vocab_size=64))
+    args = dict(idx=torch.zeros(1, 2, dtype=torch.long), max_new_tokens=3)
+    args.update(kw)
+    with pytest.raises(ValueError, match=words):
+        model.generate(**args)

@@ -381,6 +381,10 @@ def test_cuda_flex_forward_and_backward_equal_dense():
     (dict(max_depth=0), "max_depth"),
     (dict(attention="full"), "attention"),
     (dict(attn_impl="fast"), "attn_impl"),
+    (dict(decider_layers=(0.5,)), "decider_layers"),
+    (dict(lora_alpha=float("nan")), "lora_alpha"),
+    (dict(lora_rank=2.5), "lora_rank"),
+    (dict(topk=3.0), "topk"),
 ])
 def test_bad_config_raises(kw, words):
     with pytest.raises(ValueError, match=words):
@@ -400,3 +404,15 @@ def test_bad_call_raises():
         model(idx, mode="sometimes")
     with pytest.raises(ValueError, match="block_size"):
         model(torch.zeros(1, 33, dtype=torch.long))
+    with pytest.raises(ValueError, match="depths must be integers"):
+        model(idx, mode="oracle", depths=torch.tensor([[1.0, 2.0, 1.4, 1.0]]))
+    with pytest.raises(ValueError, match="shape"):
+        model(torch.zeros(1, 0, dtype=torch.long))  # an empty sequence: no logits=None
+    with pytest.raises(ValueError, match="idx must hold ids"):
+        model(torch.full((1, 4), 53))
+    with pytest.raises(ValueError, match="targets must have idx's shape"):
+        model(torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(idx, -1)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(idx, 2, temperature=float("nan"))
