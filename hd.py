@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from moe import ModelConfig, Transformer, cached_generate, check_tokens, dense_mask
+from moe import ModelConfig, Transformer, cached_generate, check_tokens, dense_mask, upcast
 
 # -----------------------------------------------------------------------------
 # Config
@@ -240,14 +240,14 @@ class HiddenDecoding(nn.Module):
             logits = self.head(h.view(B, L, n, -1).sum(2))
         elif self.cfg.objective == "all" and targets is not None:
             all_logits = self.head(h)  # (B, L*n, V)
-            loss = F.cross_entropy(all_logits.flatten(0, 1).float(),
+            loss = F.cross_entropy(upcast(all_logits.flatten(0, 1)),
                                    targets.repeat_interleave(n, dim=1).flatten(), ignore_index=-1)
             return all_logits[:, n - 1::n], loss
         else:
             logits = self.head(h if skipped else h[:, n - 1::n])
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+            loss = F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten(), ignore_index=-1)
         return logits, loss
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
@@ -281,7 +281,7 @@ def expand_streams(model, n_new, **overrides):
     n = len(tables)
     if n_new < n or n_new % n:
         raise ValueError(f"n_new must be a multiple of the current n_streams={n}, got {n_new}")
-    new = HiddenDecoding(new_cfg).to(tables[0].device)
+    new = HiddenDecoding(new_cfg).to(device=tables[0].device, dtype=tables[0].dtype).train(model.training)
     load_backbone(new, body, cfg)
     with torch.no_grad():
         for k, table in enumerate(new.tables):

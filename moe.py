@@ -160,6 +160,11 @@ def attend(q, k, v, mask):
 # Attention: GQA, partial RoPE, KNorm, head-wise gate, KV-Mirror input
 
 
+def upcast(t):
+    """Half precision -> float32 for numerically sensitive steps; float32 and float64 stay."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def apply_rope(x, pos, rope_dim, base):
     """Rotate the first rope_dim dims of x (..., T, hd) by position; pass the rest through.
 
@@ -167,12 +172,13 @@ def apply_rope(x, pos, rope_dim, base):
     (WeLM rotates the trailing dims; that differs only by a fixed permutation of head dims.)
     """
     half = rope_dim // 2
-    inv_freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    ang = pos.to(torch.float32)[..., None] * inv_freq  # (T, half) or (B, T, half)
+    dt = upcast(x).dtype  # the angles in float32 at least, in float64 for a float64 model
+    inv_freq = base ** (-torch.arange(half, device=x.device, dtype=dt) / half)
+    ang = pos.to(dt)[..., None] * inv_freq  # (T, half) or (B, T, half)
     if ang.dim() == 3:
         ang = ang[:, None]  # (B, 1, T, half): broadcast over heads
     cos, sin = ang.cos(), ang.sin()
-    x1, x2, rest = x[..., :half].float(), x[..., half:rope_dim].float(), x[..., rope_dim:]
+    x1, x2, rest = upcast(x[..., :half]), upcast(x[..., half:rope_dim]), x[..., rope_dim:]
     rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
     return torch.cat([rot, rest], dim=-1)
 
@@ -268,8 +274,8 @@ class MoE(nn.Module):
 
     def route(self, x):
         """x (N, C) -> expert ids (N, k) chosen by score + bias, and their weights = scores."""
-        with torch.autocast(x.device.type, enabled=False):  # routing in fp32
-            scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))  # (N, E)
+        with torch.autocast(x.device.type, enabled=False):  # routing in fp32 (fp64 for a fp64 model)
+            scores = torch.sigmoid(F.linear(upcast(x), upcast(self.router.weight).to(upcast(x).dtype)))  # (N, E)
         idx = torch.topk(scores + self.bias, self.cfg.top_k, dim=-1).indices
         return idx, scores.gather(-1, idx)
 
@@ -278,9 +284,10 @@ class MoE(nn.Module):
         dev = xs.device.type
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else xs.dtype
         mode = self.cfg.moe_dispatch
-        if mode == "auto":  # grouped_mm: any float on CPU (16-byte aligned rows), bf16 on CUDA
+        if mode == "auto":  # grouped_mm: fp32/bf16/fp16 on CPU (16-byte aligned rows), bf16 on CUDA
             aligned = all(n * dt.itemsize % 16 == 0 for n in (self.cfg.n_embd, self.cfg.expert_hidden))
-            mode = "grouped_mm" if aligned and (dev == "cpu" or dt == torch.bfloat16) else "loop"
+            ok = dt != torch.float64 if dev == "cpu" else dt == torch.bfloat16
+            mode = "grouped_mm" if aligned and ok else "loop"
         if mode == "grouped_mm":
             offs = counts.cumsum(0).to(torch.int32)
             h = F.grouped_mm(xs.to(dt), self.w_gate_up.to(dt), offs=offs)
@@ -394,7 +401,7 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.norm_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+            loss = F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten(), ignore_index=-1)
         return logits, loss
 
     def moe_layers(self):
@@ -474,7 +481,7 @@ def sample(logits, temperature=1.0, top_k=None, generator=None):
     check_sampling(temperature, top_k, logits.size(-1))
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / temperature
+    logits = upcast(logits) / temperature
     if top_k is not None:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from moe import KVCache, ModelConfig, Transformer, check_generation, check_tokens, sample
+from moe import KVCache, ModelConfig, Transformer, check_generation, check_tokens, sample, upcast
 
 MODES = ("standard", "always", "oracle", "decider")
 
@@ -242,7 +242,7 @@ class ThinkAtHard(nn.Module):
 
     def next_input(self, summed_logits):
         """Eq. 4 with the top-k only: softmax(top-k logits) @ E[top-k ids]."""
-        vals, ids = torch.topk(summed_logits.float(), self.cfg.topk, dim=-1)
+        vals, ids = torch.topk(upcast(summed_logits), self.cfg.topk, dim=-1)
         w = F.softmax(vals, dim=-1).to(self.backbone.wte.weight.dtype)
         return torch.einsum("...k,...kc->...c", w, self.backbone.wte(ids))
 
@@ -318,7 +318,8 @@ class ThinkAtHard(nn.Module):
 
             p = DepthPass(d, sel, valid, h)
             if mode == "decider" or features:
-                topv = torch.topk(summed[rows, sel].float(), cfg.topk, dim=-1).values
+                topv = torch.topk(upcast(summed[rows, sel]), cfg.topk, dim=-1).values
+                topv = topv.to(self.decider.logit_proj.weight.dtype)  # bf16 or fp64 weights, no autocast
                 p.features = tuple(kept[l] for l in cfg.decider_layers) + (topv,)
                 if mode == "decider":
                     p.score = self.decider(list(p.features[:-1]), p.features[-1])
@@ -336,7 +337,7 @@ class ThinkAtHard(nn.Module):
 
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(summed.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+            loss = F.cross_entropy(upcast(summed.flatten(0, 1)), targets.flatten(), ignore_index=-1)
         return TaHOutput(summed, loss, ran, first, passes)
 
     # -- training objectives (§4.3) -------------------------------------------------
@@ -359,10 +360,11 @@ class ThinkAtHard(nn.Module):
             feats = [f.detach()[p.valid] for f in p.features]
             scores.append(self.decider(feats[:-1], feats[-1]))
             labels.append((depths.gather(1, p.sel)[p.valid] > p.depth + 1).float())
-        scores, labels = torch.cat(scores), torch.cat(labels)
+        scores = torch.cat(scores)
+        labels = torch.cat(labels).to(scores.dtype)
         if pos_weight is None:
             pos_weight = (labels == 0).sum().clamp(min=1) / (labels == 1).sum().clamp(min=1)
-        loss = F.binary_cross_entropy_with_logits(scores, labels, pos_weight=torch.as_tensor(pos_weight))
+        loss = F.binary_cross_entropy_with_logits(scores, labels, pos_weight=torch.as_tensor(pos_weight).to(scores))
         return loss, scores, labels
 
     @torch.no_grad()
@@ -403,7 +405,7 @@ def oracle_depths(ref_logits, targets, max_depth):
         return depths
     if max_depth == 2:
         return depths + hard.long()
-    ce = F.cross_entropy(ref_logits.flatten(0, 1).float(), targets.flatten().clamp(min=0), reduction="none")
+    ce = F.cross_entropy(upcast(ref_logits.flatten(0, 1)), targets.flatten().clamp(min=0), reduction="none")
     ce = ce.view_as(targets)[hard]
     rank = ce.argsort().argsort()  # 0 = easiest hard token
     bins = rank * (max_depth - 1) // ce.numel()  # 0 .. max_depth - 2, equal counts
