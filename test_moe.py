@@ -460,3 +460,22 @@ def test_bad_generation_arguments_raise_one_clear_error(kw, words):
     args.update(kw)
     with pytest.raises(ValueError, match=words):
         model.generate(**args)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 999), T=st.integers(1, 9), scale=st.floats(0.1, 10.0))
+def test_knorm_normalizes_keys_only_so_the_key_scale_cancels_and_the_query_scale_does_not(seed, T, scale):
+    """KNorm (RMSNorm over head_dim) sits on keys only: scaling W_k leaves attention unchanged,
+    scaling W_q changes its softmax temperature (a norm on queries too would hide that)."""
+    torch.manual_seed(seed)
+    attn = moe.Attention(small_cfg(norm_eps=1e-30)).double()
+    u = torch.randn(2, T, attn.cfg.n_embd, dtype=torch.float64)
+    pos = torch.arange(T)
+    with torch.no_grad():
+        base = attn(u, pos, "causal")
+        attn.k_proj.weight *= scale
+        torch.testing.assert_close(attn(u, pos, "causal"), base, atol=1e-10, rtol=1e-10)
+        attn.k_proj.weight /= scale
+        attn.q_proj.weight *= 3.0
+        moved = (attn(u, pos, "causal") - base).abs().max().item()
+    assert T == 1 or moved > 1e-4  # one key: softmax is 1 whatever the temperature

@@ -184,6 +184,57 @@ def test_black_box_state_jk_changes_exactly_i_ge_j_and_d_ge_k(seed, T, n_experts
             assert changed == (i >= j and pc.depth >= k), (i, pc.depth, j, k)
 
 
+@FAST
+@given(seed=st.integers(0, 999), T=st.integers(2, 7), attention=st.sampled_from(["duo", "first_depth", "depth_local"]),
+       data=st.data())
+def test_black_box_key_jk_is_read_by_exactly_the_states_its_attention_rule_allows(seed, T, attention, data):
+    """With the depth-to-depth input chain held fixed (every deeper pass gets the clean run's
+    input), noise on the last layer's value of state (j, k) reaches exactly the states whose
+    query may read that key: duo i >= j, d >= k; first_depth i >= j if k = 0; depth_local
+    i >= j, d = k. (With the chain live, duo and depth_local reach the same set.)"""
+    model = make(seed, max_depth=3, attention=attention).double()
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(53, (1, T), generator=g)
+    depths = random_depths(g, 1, T, 3)
+    j = data.draw(st.integers(0, T - 1))
+    k = data.draw(st.integers(0, depths[0, j].item() - 1))
+    inputs, real_next = [], model.next_input
+
+    def record(summed):
+        inputs.append(real_next(summed))
+        return inputs[-1]
+    replayed = iter(inputs)
+    calls = []
+
+    def bump(mod, args, out):  # noise on the value of state (j, k) at the last layer
+        d = len(calls)
+        calls.append(d)
+        if d != k:
+            return None
+        out = out.clone()
+        out[0, int((depths[0, :j] > k).sum())] += torch.randn(out.size(-1), generator=torch.Generator().manual_seed(1),
+                                                               dtype=out.dtype)
+        return out
+    with torch.no_grad():
+        model.next_input = record
+        clean = model(idx, mode="oracle", depths=depths)
+        model.next_input = lambda summed: next(replayed)
+        h = model.backbone.blocks[-1].attn.v_proj.register_forward_hook(bump)
+        try:
+            dirty = model(idx, mode="oracle", depths=depths)
+        finally:
+            h.remove()
+            del model.next_input
+    reads = {"duo": lambda i, d: i >= j and d >= k, "first_depth": lambda i, d: i >= j and k == 0,
+             "depth_local": lambda i, d: i >= j and d == k}[attention]
+    for pc, pd in zip(clean.passes, dirty.passes):
+        for q in range(pc.sel.size(1)):
+            if pc.valid[0, q]:
+                i = pc.sel[0, q].item()
+                changed = (pd.hidden[0, q] - pc.hidden[0, q]).abs().max().item() > 1e-9
+                assert changed == reads(i, pc.depth), (attention, i, pc.depth, j, k)
+
+
 def test_lora_starts_as_a_no_op_and_is_active_only_at_depth_one_and_beyond():
     base = torch.nn.Linear(8, 5)
     lora = LoRALinear(base, rank=2, alpha=4.0)
