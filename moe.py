@@ -287,6 +287,7 @@ class MoE(nn.Module):
         if mode == "auto":  # grouped_mm: fp32/bf16/fp16 on CPU (16-byte aligned rows), bf16 on CUDA
             aligned = all(n * dt.itemsize % 16 == 0 for n in (self.cfg.n_embd, self.cfg.expert_hidden))
             ok = dt != torch.float64 if dev == "cpu" else dt == torch.bfloat16
+            ok = ok and (dt == torch.bfloat16 or not torch.compiler.is_compiling())  # compiled: bf16 only
             mode = "grouped_mm" if aligned and ok else "loop"
         if mode == "grouped_mm":
             offs = counts.cumsum(0).to(torch.int32)

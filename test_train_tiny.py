@@ -386,3 +386,18 @@ def test_every_reported_number_is_the_same_after_a_kill_and_resume(tmp_path, mon
     tt.main(base + ["--out", str(tmp_path / "resumed")])
     a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("straight", "resumed"))
     assert killed and a["summary"] == b["summary"] and a["verdicts"] == b["verdicts"]
+
+
+def test_compile_works_on_cpu_and_matches_eager(tmp_path):
+    """--compile is the only way the compile path runs without a GPU: it must run, and give the
+    eager numbers up to float reordering."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    common = [sys.executable, "train_tiny.py", "--smoke", "--suite", "hd", "--device", "cpu"]
+    for flag, out in (([], "eager"), (["--compile"], "compiled")):
+        run = subprocess.run(common + flag + ["--out", str(tmp_path / out)], cwd=HERE, env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+    eager, compiled = (json.loads((tmp_path / d / "results.json").read_text())["summary"] for d in ("eager", "compiled"))
+    assert [(s["arm"], s["metric"]) for s in eager] == [(s["arm"], s["metric"]) for s in compiled]
+    for a, b in zip(eager, compiled):
+        assert b["mean"] == pytest.approx(a["mean"], rel=1e-3, abs=1e-3), (a["arm"], a["metric"])

@@ -944,7 +944,7 @@ def parse(argv):
     ap.add_argument("--iters", type=int, help="steps per arm (default: the preset's)")
     ap.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-steps")
     ap.add_argument("--muon", action="store_true", help="Muon for 2-D weights in the blocks")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the models (CUDA)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the models (CUDA or CPU; on CPU it only checks the compile path)")
     ap.add_argument("--out", default="out", help="folder for results, checkpoints and the token cache")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--ckpt-every", type=int, default=50)
