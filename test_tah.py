@@ -393,14 +393,15 @@ def test_stage2_loss_trains_only_the_decider_on_oracle_labels(max_depth):
 @FAST
 @given(seed=st.integers(0, 999), T=st.integers(1, 10), max_depth=st.integers(2, 3))
 def test_flex_forward_on_cpu_equals_dense(seed, T, max_depth):
-    model = make(seed, max_depth=max_depth)
-    flex = twin(model, attn_impl="flex")
+    # float64: in float32 the two kernels' different summation orders differ by ~1e-5
+    model = make(seed, max_depth=max_depth).double()
+    flex = twin(model, attn_impl="flex").double()
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(53, (2, T), generator=g)
     depths = random_depths(g, 2, T, max_depth)
     with torch.no_grad():
         torch.testing.assert_close(flex(idx, mode="oracle", depths=depths).logits,
-                                   model(idx, mode="oracle", depths=depths).logits, atol=1e-5, rtol=1e-5)
+                                   model(idx, mode="oracle", depths=depths).logits, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flex backward)")
