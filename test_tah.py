@@ -22,9 +22,11 @@ def tah_cfg(**kw):
 
 
 def make(seed=0, lora=True, **kw):
-    """A model whose LoRA is switched on with random weights, so depth >= 1 really differs."""
+    """A model whose LoRA is switched on with random weights, so depth >= 1 really differs.
+    float64: the paths compared here sum in different orders, which in float32 differs by up to
+    ~1e-5 (sometimes past a 1e-5 tolerance); in float64 by ~1e-13."""
     torch.manual_seed(seed)
-    model = ThinkAtHard(tah_cfg(**kw)).eval()
+    model = ThinkAtHard(tah_cfg(**kw)).double().eval()
     if lora:
         with torch.no_grad():
             for m in model.modules():
@@ -43,7 +45,7 @@ def mixed_decider(model):
 
 
 def twin(model, **kw):
-    other = ThinkAtHard(TaHConfig(**{**model.cfg.__dict__, **kw}))
+    other = ThinkAtHard(TaHConfig(**{**model.cfg.__dict__, **kw})).to(model.backbone.wte.weight.dtype)
     other.load_state_dict(model.state_dict())
     return other.eval()
 
@@ -150,7 +152,7 @@ def test_black_box_state_jk_changes_exactly_i_ge_j_and_d_ge_k(seed, T, n_experts
     # float64 with a loop over experts: re-routing token j changes how many rows each expert's
     # matmul sees, and in float32 that alone moves other rows' rounding (~1e-5); in float64 it
     # stays ~1e-15, far below the 1e-7 that tells a real dependence apart
-    model = make(seed, max_depth=3, n_experts=n_experts, moe_dispatch="loop").double()
+    model = make(seed, max_depth=3, n_experts=n_experts, moe_dispatch="loop")
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(53, (1, T), generator=g)
     depths = random_depths(g, 1, T, 3)
@@ -192,7 +194,7 @@ def test_black_box_key_jk_is_read_by_exactly_the_states_its_attention_rule_allow
     input), noise on the last layer's value of state (j, k) reaches exactly the states whose
     query may read that key: duo i >= j, d >= k; first_depth i >= j if k = 0; depth_local
     i >= j, d = k. (With the chain live, duo and depth_local reach the same set.)"""
-    model = make(seed, max_depth=3, attention=attention).double()
+    model = make(seed, max_depth=3, attention=attention)
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(53, (1, T), generator=g)
     depths = random_depths(g, 1, T, 3)
@@ -256,7 +258,7 @@ def test_lora_starts_as_a_no_op_and_is_active_only_at_depth_one_and_beyond():
 @given(seed=st.integers(0, 999))
 def test_next_input_with_topk_equal_vocab_is_full_softmax_mixture(seed):
     model = make(seed, topk=53)
-    logits = torch.randn(2, 5, 53) * 3
+    logits = torch.randn(2, 5, 53, dtype=torch.float64) * 3
     ref = F.softmax(logits, -1) @ model.backbone.wte.weight
     torch.testing.assert_close(model.next_input(logits), ref, atol=1e-5, rtol=1e-5)
     small = make(seed, topk=3)  # top-k: the other rows get no weight
@@ -394,8 +396,8 @@ def test_stage2_loss_trains_only_the_decider_on_oracle_labels(max_depth):
 @given(seed=st.integers(0, 999), T=st.integers(1, 10), max_depth=st.integers(2, 3))
 def test_flex_forward_on_cpu_equals_dense(seed, T, max_depth):
     # float64: in float32 the two kernels' different summation orders differ by ~1e-5
-    model = make(seed, max_depth=max_depth).double()
-    flex = twin(model, attn_impl="flex").double()
+    model = make(seed, max_depth=max_depth)
+    flex = twin(model, attn_impl="flex")
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(53, (2, T), generator=g)
     depths = random_depths(g, 2, T, max_depth)
