@@ -7,9 +7,11 @@ What each mechanism costs, as ratios measured side by side in one run.
 Every table times its arms round-robin (arm A, arm B, ..., then again) and reports medians,
 so a noisy shared machine slows all arms alike; read the ratio columns, not the milliseconds.
 Sections: (1) attention alone per mask type vs n; (2) an HD training step vs n, for a
-stream-factorized layout and for all-full; (3) the KV-mirror final-stream skip; (4) TaH decode
-and training cost for Standard, TaH (~6% of tokens iterated) and AlwaysThink; (5) on CUDA,
-flex_attention vs SDPA and the compiled model vs eager.
+stream-factorized layout and for all-full; (3) the KV-mirror final-stream skip at two widths,
+with the ceiling its measured share of time allows; (4) HD serving: cached decode throughput of
+n = 4 vs n = 1 over batch x prompt length (HD Figure 5) and the KV cache per layout; (5) TaH
+decode and training cost for Standard, TaH (~6% of tokens iterated) and AlwaysThink at two
+widths; (6) on CUDA, flex_attention vs SDPA and the compiled model vs eager.
 """
 
 import argparse
@@ -20,7 +22,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from hd import HDConfig, HiddenDecoding, fold, full, intra, local, unfold
-from moe import attend, dense_mask
+from moe import KVCache, attend, dense_mask
 from tah import TaHCache, TaHConfig, ThinkAtHard
 
 
@@ -65,7 +67,7 @@ def attention_by_mask(L, ns, device, repeats, B=2, H=8, Hkv=2, D=32):
         k, v = (torch.randn(B, Hkv, T, D, device=device) for _ in range(2))
         t = torch.arange(T, device=device)
         f = lambda x: fold(x.transpose(1, 2), n).transpose(1, 2)
-        m_intra, m_local = dense_mask(intra(n, 1), t, t), dense_mask(local(n, 4 * n), t, t)
+        m_intra, m_local = dense_mask(intra(n), t, t), dense_mask(local(4 * n), t, t)
         arms = {
             "intra, folded": lambda: unfold(attend(f(q), f(k), f(v), "causal").transpose(1, 2), n),
             "intra, dense mask": lambda: attend(q, k, v, m_intra),
@@ -109,51 +111,175 @@ def hd_steps(L, ns, device, repeats, B=4):
          "(paper: n=4 costs 4.4-5.1x per batch with SFA; target <= 4.4x)", rows, ["layout"] + [f"n={n}" for n in ns])
 
 
-def mirror_skip(L, n, device, repeats, B=4):
+def block_share(model, idx, blocks, device, repeats=3):
+    """Share of a forward pass's wall time spent inside the given blocks (timed by hooks)."""
+    spent, total, stamp = [0.0], [0.0], {}
+
+    def pre(module, args):
+        sync(device)
+        stamp[module] = time.perf_counter()
+
+    def post(module, args, out):
+        sync(device)
+        spent[0] += time.perf_counter() - stamp[module]
+    hooks = [h for b in blocks for h in (b.register_forward_pre_hook(pre), b.register_forward_hook(post))]
+    try:
+        for _ in range(repeats):
+            sync(device)
+            t = time.perf_counter()
+            model(idx[:, :-1], idx[:, 1:])
+            sync(device)
+            total[0] += time.perf_counter() - t
+    finally:
+        for h in hooks:
+            h.remove()
+    return spent[0] / total[0]
+
+
+def mirror_skip(L, n, device, repeats, widths, B=4):
+    """The KV-mirror final-stream skip (HD §3.1) vs running every stream through the mirrored
+    layers, at two widths and two layouts. Ceiling (Amdahl): the skip removes (n-1)/n of the
+    mirrored blocks' time s, so it can give at most 1 / (1 - s (n-1)/n); s is measured."""
     idx = torch.randint(512, (B, L + 1), device=device)
-    arms = {}
-    for skip in (False, True):
+    rows = []
+    for layout in ("IIFLII", "IIIIII"):
+        for C in widths:
+            models = {}
+            for skip in (False, True):
+                torch.manual_seed(0)
+                cfg = hd_cfg(n, layout, L, mirror_skip=skip, n_embd=C, head_dim=C // 4, expert_hidden=C)
+                models[skip] = HiddenDecoding(cfg).to(device)
+            t = timeit({k: train_step(m, idx) for k, m in models.items()}, repeats, device)
+            mirrored = [b for b in models[False].backbone.blocks if b.mirror_source is not None]
+            s = block_share(models[False], idx, mirrored, device)
+            rows.append([layout, C, f"{t[False] * 1e3:.1f}", f"{t[True] * 1e3:.1f}", f"{t[False] / t[True]:.2f}x",
+                         f"{s:.0%}", f"{1 / (1 - s * (n - 1) / n):.2f}x"])
+    show(f"3. KV-mirror final-stream skip, n={n}, 6 layers (2 mirrored), L={L} x B={B}: training step "
+         f"(ceiling if every layer cost the same: 1 / (2/3 + 1/3 * 1/{n}) = {1 / (2 / 3 + 1 / (3 * n)):.2f}x; "
+         "target >= 1.2x; paper: 1.25x at 80B)", rows,
+         ["layout", "width", "all streams ms", "skip ms", "speed-up", "mirrored blocks' share of forward",
+          "ceiling from that share"])
+
+
+def tah_costs(L, device, repeats, widths, frac=0.06):
+    """TaH cost per model width: decoding per token at batch 1 and 4, and the stage-1 training
+    step, for Standard, TaH (frac of tokens iterated) and AlwaysThink."""
+    rows = []
+    for C in widths:
         torch.manual_seed(0)
-        arms[skip] = train_step(HiddenDecoding(hd_cfg(n, "IIFLII", L, mirror_skip=skip)).to(device), idx)
-    t = timeit(arms, repeats, device)
-    show(f"3. KV-mirror final-stream skip, n={n}, 6 layers (2 mirrored), L={L} x B={B}: training step",
-         [["all streams through mirrored layers", f"{t[False] * 1e3:.1f}", "1.00x"],
-          ["final stream only (skip)", f"{t[True] * 1e3:.1f}", f"{t[False] / t[True]:.2f}x speed-up"]],
-         ["arm", "ms", "vs no skip (ceiling 1 / (2/3 + 1/3 * 1/4) = 1.33x; target >= 1.2x)"])
+        cfg = TaHConfig(vocab_size=512, block_size=L + 1, n_layer=6, n_embd=C, n_head=12, n_kv_head=2,
+                        head_dim=C // 4, n_experts=0, ffn_hidden=3 * C, logit_topk=100, max_depth=2)
+        model = ThinkAtHard(cfg).to(device)
+        res = {}
+        for B in (1, 4):
+            idx = torch.randint(512, (B, L + 1), device=device)
+            g = torch.Generator().manual_seed(0)
+            hard = (torch.rand(B, L, generator=g) < frac).to(device)
+            depths = {"Standard": torch.ones(B, L, dtype=torch.long, device=device), "TaH": 1 + hard.long(),
+                      "AlwaysThink": torch.full((B, L), 2, device=device)}
+            res[B] = dict(depths=depths, decode=timeit({k: tah_decode(model, idx, d) for k, d in depths.items()},
+                                                       max(3, repeats // 3), device, warmup=1))
+            if B == 4:
+                res[B]["train"] = timeit({k: tah_train(model, idx, d) for k, d in depths.items()}, repeats, device)
+        for arm in ("Standard", "TaH", "AlwaysThink"):
+            d4 = res[4]["depths"][arm]
+            second = (d4 > 1).any(0).float().mean().item()  # decode steps where some row runs depth 1
+            dec = {B: res[B]["decode"][arm] / res[B]["decode"]["Standard"] for B in (1, 4)}
+            always4 = res[4]["decode"]["AlwaysThink"] / res[4]["decode"]["Standard"]
+            rows.append([C, arm, f"{(d4 > 1).float().mean().item():.0%}", f"{dec[1]:.2f}x", f"{second:.0%}",
+                         f"{dec[4]:.2f}x", f"{1 + second * (always4 - 1):.2f}x" if arm == "TaH" else "",
+                         f"{res[4]['train'][arm] / res[4]['train']['Standard']:.2f}x"])
+    show(f"5. TaH, 6-layer dense backbone, L={L} (targets: TaH decode <= 1.15x, AlwaysThink ~2x; paper: ~1.06 "
+         "passes per token)", rows,
+         ["width", "arm", "tokens iterated", "decode B=1 vs Standard", "B=4: steps with a 2nd pass",
+          "decode B=4 vs Standard", "B=4 predicted: 1 + steps x (AlwaysThink - 1)", "train step (B=4) vs Standard"])
 
 
-def tah_costs(L, device, repeats, B=4, frac=0.06):
-    """TaH decode per token and training step: Standard, TaH (frac of tokens iterated), Always."""
-    torch.manual_seed(0)
-    cfg = TaHConfig(vocab_size=512, block_size=L + 1, n_layer=6, n_embd=64, n_head=12, n_kv_head=2,
-                    head_dim=16, n_experts=0, ffn_hidden=192, topk=100, max_depth=2)
-    model = ThinkAtHard(cfg).to(device)
-    idx = torch.randint(512, (B, L + 1), device=device)
-    g = torch.Generator().manual_seed(0)
-    hard = (torch.rand(B, L, generator=g) < frac).to(device)
-    depths = {"Standard": torch.ones(B, L, dtype=torch.long, device=device), "TaH": 1 + hard.long(),
-              "AlwaysThink": torch.full((B, L), 2, device=device)}
+def tah_train(model, idx, depths):
+    def step():
+        model.stage1_loss(idx[:, :-1], idx[:, 1:], depths).backward()
+        model.zero_grad(set_to_none=True)
+    return step
 
-    def train(d):
-        def step():
-            model.stage1_loss(idx[:, :-1], idx[:, 1:], d).backward()
-            model.zero_grad(set_to_none=True)
-        return step
+
+def tah_decode(model, idx, depths):
+    """Token-by-token cached decoding of idx with the given depths (oracle routing)."""
+    @torch.no_grad()
+    def run():
+        cache = TaHCache(model.cfg.n_layer, idx.size(0), idx.device)
+        for t in range(depths.size(1)):
+            model(idx[:, t:t + 1], mode="oracle", depths=depths[:, t:t + 1], cache=cache)
+    return run
+
+
+# Figure 5 of the HD paper (WeLM-HD4-80B on 8 H20 GPUs, decode TPS of HD n=4 as % of the
+# baseline), the cells its text gives: batch 1 keeps 83-88% in every input bucket; batch 4
+# keeps 69-88% for short/2k/8k inputs; batch 16: short 60%, 2k 54%, 8k 49%, 32k 44%.
+PAPER_FIG5 = {(1, "short"): "83-88%", (1, "long"): "83-88%", (4, "short"): "69-88%", (4, "long"): "69-88% (8k)",
+              (16, "short"): "60%", (16, "long"): "49% (8k), 44% (32k)", (64, "short"): "-", (64, "long"): "-"}
+
+
+def hd_decode(model, B, prompt, steps, device):
+    """Decode `steps` tokens for B rows after a cache of `prompt` tokens. The cache holds random
+    K/V of the right shapes (a decode step's cost depends on shapes, not values), so no prefill
+    is timed or even run; each call starts again from the same cache."""
+    cfg = model.cfg
+    rows = prompt * getattr(cfg, "n_streams", 1)
+    g = torch.Generator(device=device).manual_seed(0)
+    kv = [tuple(torch.randn(B, cfg.n_kv_head, rows, cfg.head_dim, generator=g, device=device) for _ in range(2))
+          for _ in range(cfg.n_layer)]
+    caches = [KVCache() for _ in range(cfg.n_layer)]
+    first = torch.randint(cfg.vocab_size, (B, 1), generator=g, device=device)
 
     @torch.no_grad()
-    def decode(d):
-        def run():
-            cache = TaHCache(cfg.n_layer, B, device)
-            for t in range(L):
-                model(idx[:, t:t + 1], mode="oracle", depths=d[:, t:t + 1], cache=cache)
-        return run
-    tt = timeit({k: train(d) for k, d in depths.items()}, repeats, device)
-    td = timeit({k: decode(d) for k, d in depths.items()}, max(3, repeats // 3), device, warmup=1)
-    it = {k: (d > 1).float().mean().item() for k, d in depths.items()}
-    rows = [[k, f"{it[k]:.0%}", f"{td[k] / L * 1e3:.2f}", f"{td[k] / td['Standard']:.2f}x", f"{tt[k] / tt['Standard']:.2f}x"]
-            for k in depths]
-    show(f"4. TaH, 6-layer dense backbone, L={L} x B={B} (targets: TaH decode <= 1.15x, AlwaysThink ~2x)",
-         rows, ["arm", "iterated", "decode ms/token", "decode vs Standard", "train step vs Standard"])
+    def run():
+        for c, (k, v) in zip(caches, kv):
+            c.k, c.v = k, v  # KVCache.update concatenates into new tensors: kv itself is never changed
+        x = first
+        for _ in range(steps):
+            logits, _ = model(x, caches=caches)
+            x = logits[:, -1:].argmax(-1)
+    return run
+
+
+def hd_serving(prompts, batches, device, repeats, steps, n=4):
+    """HD decode throughput relative to n = 1 (HD §4.5, Figure 5), over batch x prompt length,
+    for the stream-factorized layout and all-full; then the KV cache each layout keeps."""
+    arms = {"n=1": (1, "IIFLII", None), f"n={n} SFA (IIFLII)": (n, "IIFLII", False),
+            f"n={n} SFA + KV-mirror skip": (n, "IIFLII", True), f"n={n} all-full": (n, "FFFFFF", False)}
+    models = {}
+    for name, (streams, layout, skip) in arms.items():
+        torch.manual_seed(0)
+        cfg = hd_cfg(streams, layout, max(prompts.values()) + steps + 1, mirror_skip=skip)
+        models[name] = HiddenDecoding(cfg).to(device).eval()
+    rows = []
+    for B in batches:
+        for bucket, P in prompts.items():
+            t = timeit({k: hd_decode(m, B, P, steps, device) for k, m in models.items()}, repeats, device, warmup=1)
+            base = t["n=1"]
+            rows.append([B, f"{bucket} ({P})", f"{B * steps / base:.0f}"]
+                        + [f"{base / t[k]:.0%}" for k in list(arms)[1:]] + [PAPER_FIG5.get((B, bucket), "-")])
+    show(f"4. HD serving: decode tokens/s of n={n} as % of n=1, 6-layer MoE width 64, cached decoding of {steps} "
+         "tokens after the prompt (paper: WeLM-HD4-80B, HD Figure 5; excludes the KV-mirror skip)", rows,
+         ["batch", "prompt (tokens)", "n=1 tokens/s"] + [k.replace(f"n={n} ", "") for k in list(arms)[1:]] + ["paper, HD4"])
+    T = max(prompts.values())
+    cfg = hd_cfg(n, "IIFLII", T)
+    per_row = 2 * cfg.n_kv_head * cfg.head_dim  # K and V elements of one row in one layer
+    kv_rows = []
+    for name, streams, layout in [("n=1", 1, "IIFLII"), (f"n={n} SFA (IIFLII)", n, "IIFLII"),
+                                  (f"n={n} all-full", n, "FFFFFF")]:
+        kept = streams * len(layout)  # this implementation keeps every stream's row in every layer
+        needed = sum(streams for c in layout if c != "L")  # L layers need only their last `window` rows
+        read = sum({"F": streams * streams * T, "I": streams * T, "L": streams * min(cfg.window, streams * T)}[c]
+                   for c in layout)
+        kv_rows.append([name, f"{kept * per_row}", f"{needed * per_row} + window", f"{read:,}"])
+    base = int(kv_rows[0][3].replace(",", ""))
+    for r in kv_rows:
+        r.append(f"{int(r[3].replace(',', '')) / base:.1f}x")
+    show(f"4b. KV cache per token of context (elements, all 6 layers; {cfg.n_kv_head} KV heads x {cfg.head_dim}) and "
+         f"attention work per decoded token after {T} tokens (query-key pairs, all layers)", kv_rows,
+         ["model", "kept per token (as implemented)", "needed per token (L layers keep only their window)",
+          "query-key pairs per decoded token", "vs n=1"])
 
 
 def cuda_section(L, repeats):
@@ -162,13 +288,13 @@ def cuda_section(L, repeats):
     flex = torch.compile(flex_attention, dynamic=False)
     t = torch.arange(L, device="cuda")
     W = 256
-    causal_bm = create_block_mask(full(1, 1), None, None, L, L, device="cuda")
-    local_bm = create_block_mask(local(1, W), None, None, L, L, device="cuda")
-    m_local = dense_mask(local(1, W), t, t)
+    causal_bm = create_block_mask(full(), None, None, L, L, device="cuda")
+    local_bm = create_block_mask(local(W), None, None, L, L, device="cuda")
+    m_local = dense_mask(local(W), t, t)
     r = timeit({"sdpa causal": lambda: attend(q, k, v, "causal"), "flex causal": lambda: flex(q, k, v, block_mask=causal_bm),
                 "sdpa window (dense mask)": lambda: attend(q, k, v, m_local),
                 "flex window": lambda: flex(q, k, v, block_mask=local_bm)}, repeats, "cuda")
-    show(f"5a. CUDA attention, L={L}, bf16, window {W}", [[k, f"{v * 1e3:.3f}", f"{v / r['sdpa causal']:.2f}x"] for k, v in r.items()],
+    show(f"6a. CUDA attention, L={L}, bf16, window {W}", [[k, f"{v * 1e3:.3f}", f"{v / r['sdpa causal']:.2f}x"] for k, v in r.items()],
          ["path", "ms", "vs SDPA causal"])
     torch.manual_seed(0)
     model = HiddenDecoding(hd_cfg(4, "IIFLII", 512, moe_dispatch="loop")).cuda()
@@ -176,7 +302,7 @@ def cuda_section(L, repeats):
     compiled = torch.compile(model)
     with torch.autocast("cuda", torch.bfloat16):
         r = timeit({"eager": train_step(model, idx), "compiled": train_step(compiled, idx)}, repeats, "cuda")
-    show("5b. HD n=4 training step on CUDA, bf16", [[k, f"{v * 1e3:.2f}", f"{r['eager'] / v:.2f}x"] for k, v in r.items()],
+    show("6b. HD n=4 training step on CUDA, bf16", [[k, f"{v * 1e3:.2f}", f"{r['eager'] / v:.2f}x"] for k, v in r.items()],
          ["model", "ms", "speed-up vs eager"])
 
 
@@ -191,13 +317,15 @@ def main(argv=None):
     rep = args.repeats or (3 if args.quick else 15)
     dev = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"# bench.py{' --quick' if args.quick else ''} on {dev}, torch {torch.__version__}, median of {rep}")
-    attention_by_mask(64 if args.quick else 512, [1, 2, 4] if args.quick else [1, 2, 4, 8], device, rep)
-    hd_steps(16 if args.quick else 128, [1, 2, 4] if args.quick else [1, 2, 4, 8], device, rep)
-    mirror_skip(16 if args.quick else 128, 4, device, rep)
-    tah_costs(16 if args.quick else 64, device, rep)
+    q = args.quick
+    attention_by_mask(64 if q else 512, [1, 2, 4] if q else [1, 2, 4, 8], device, rep)
+    hd_steps(16 if q else 128, [1, 2, 4] if q else [1, 2, 4, 8], device, rep)
+    mirror_skip(16 if q else 128, 4, device, rep, widths=(32,) if q else (64, 256))
+    hd_serving({"short": 8, "long": 32} if q else {"short": 64, "long": 512}, (1, 4) if q else (1, 4, 16, 64),
+               device, rep, steps=2 if q else 8)
+    tah_costs(16 if q else 64, device, rep, widths=(32,) if q else (64, 256))
     if device == "cuda":
-        cuda_section(1024 if args.quick else 8192, rep)
-
+        cuda_section(1024 if q else 8192, rep)
 
 if __name__ == "__main__":
     main()

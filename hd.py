@@ -97,35 +97,43 @@ class HDConfig(ModelConfig):
 # The masks: one mask_mod each (HD §2.2). q_idx, kv_idx are expanded indices t.
 
 
-def full(n, window):
+def full():
     def full_mask(b, h, q_idx, kv_idx):  # M^full: plain causal over the expanded sequence
         return kv_idx <= q_idx
     return full_mask
 
 
-def local(n, window):
+def local(window):
     def local_mask(b, h, q_idx, kv_idx):  # M^local: causal sliding window of `window` rows
         return (q_idx - kv_idx >= 0) & (q_idx - kv_idx < window)
     return local_mask
 
 
-def intra(n, window):
+def intra(n):
     def intra_mask(b, h, q_idx, kv_idx):  # M^intra: causal within the query's own stream
         return (kv_idx <= q_idx) & (kv_idx % n == q_idx % n)
     return intra_mask
 
 
-def shared_intra(n, window):
-    """Shared-KV control (HD §5.2, PHD-like). Our definition: the shared per-token K/V is
-    stream 0's (as PHD keeps only the original copy's KV). A query at (token i, stream s)
-    reads stream 0's K/V of tokens j < i plus its own row (i, s); streams stay separate
-    trajectories and only one K/V row per past token has to be retained. n = 1: causal."""
+def shared_intra(n):
+    """Shared-KV control (HD §5.2, PHD-like), used in place of intra when cfg.shared_kv. Our
+    definition: the shared per-token K/V is stream 0's (as PHD keeps only the original copy's
+    KV). A query at (token i, stream s) reads stream 0's K/V of tokens j < i plus its own row
+    (i, s); streams stay separate trajectories and only one K/V row per past token has to be
+    retained. n = 1: causal."""
     def shared_intra_mask(b, h, q_idx, kv_idx):
         return (kv_idx == q_idx) | ((kv_idx % n == 0) & (kv_idx // n < q_idx // n))
     return shared_intra_mask
 
 
-MASKS = {"F": full, "L": local, "I": intra}
+def layer_mask(cfg, i):
+    """The mask_mod of layer i: its layout letter, and shared_kv for I layers."""
+    kind, n = cfg.layout[i], cfg.n_streams
+    if kind == "F":
+        return full()
+    if kind == "L":
+        return local(cfg.window)
+    return shared_intra(n) if cfg.shared_kv else intra(n)
 
 
 def on_final_rows(mask_mod, n):
@@ -149,6 +157,34 @@ def unfold(x, n):
     return x.view(Bn // n, n, L, *x.shape[2:]).transpose(1, 2).reshape(Bn // n, L * n, *x.shape[2:])
 
 
+class Rows:
+    """The rows of one forward: expanded indices t of the new rows (after `start` cached ones),
+    of every key row, their RoPE positions, the final-stream rows among the new ones, and the
+    masks of each layer (BlockMasks built once per forward, shared by layers of one type)."""
+
+    def __init__(self, cfg, start, L, device):
+        self.cfg, self.device, n = cfg, device, cfg.n_streams
+        self.t = torch.arange(start, start + L * n, device=device)  # expanded indices of the new rows
+        self.t_kv = torch.arange(start + L * n, device=device)  # every row the keys may come from
+        self.pos = self.t if cfg.positions == "expanded" else self.t // n
+        self.final = slice(n - 1, None, n)  # final-stream rows among the new ones
+        self.block_masks = {}
+
+    def mask(self, i, final_only, cached):
+        """Layer i's mask for the new rows (or their final-stream rows) against every key row:
+        a BlockMask where flex serves (see the table in HiddenDecoding), else a dense mask."""
+        cfg, mod = self.cfg, layer_mask(self.cfg, i)
+        q_t = self.t[self.final] if final_only else self.t
+        use_flex = cfg.attn_impl == "flex" or (cfg.attn_impl == "fast" and self.device.type == "cuda")
+        if cached or not use_flex:
+            return dense_mask(mod, q_t, self.t_kv)
+        key = (cfg.layout[i], final_only)
+        if key not in self.block_masks:
+            mod = on_final_rows(mod, cfg.n_streams) if final_only else mod
+            self.block_masks[key] = create_block_mask(mod, None, None, len(q_t), len(self.t_kv), device=self.device)
+        return self.block_masks[key]
+
+
 # -----------------------------------------------------------------------------
 # The model
 
@@ -163,15 +199,30 @@ class HiddenDecoding(nn.Module):
         for table in self.tables:
             nn.init.normal_(table.weight, std=0.02)
 
-    def mask_mod(self, layer):
-        kind = self.cfg.layout[layer]
-        make = shared_intra if kind == "I" and self.cfg.shared_kv else MASKS[kind]
-        return make(self.cfg.n_streams, self.cfg.window)
-
     def embed(self, idx):
         """S[t] = E_{s(t)}[x_{i(t)}]: (B, L) -> (B, L*n, C), rows interleaved t = i*n + k."""
         rows = torch.stack([table(idx) for table in self.tables], dim=2)  # (B, L, n, C)
         return rows.flatten(1, 2)
+
+    # Which attention path serves which layer. Every path equals the dense reference (the
+    # mask_mod evaluated as a boolean matrix); test_hd.py checks each against it. Cached
+    # decoding always uses the dense mask.
+    #
+    #   layer                 attn_impl "fast"                              "dense"      "flex"
+    #   F                     SDPA's causal kernel                          dense mask   BlockMask
+    #   L, shared-KV I        BlockMask on CUDA, dense mask on CPU          dense mask   BlockMask
+    #   I                     streams folded into the batch, causal SDPA    dense mask   BlockMask
+    #   mirrored, under the KV-mirror skip (queries: final-stream rows; keys: every row's K/V):
+    #   I                     causal SDPA over the final stream's own rows  dense mask   BlockMask
+    #   F, L, shared-KV I     BlockMask on CUDA, dense mask on CPU          dense mask   BlockMask
+    #
+    # The skip (HD §3.1): mirrored layers are the last n_layer // 3 (moe.py), so from the first
+    # of them on only the final-stream rows are carried; their K/V still come from every row of
+    # the source layer's input.
+
+    def skip_from(self):
+        """Index of the first layer that runs final-stream rows only, or None (no skip)."""
+        return self.cfg.n_layer - self.cfg.n_layer // 3 if self.cfg.mirror_skip else None
 
     def hidden(self, idx, caches=None):
         """Final residual states: (B, L*n, C), or (B, L, C) final-stream rows under the skip."""
@@ -180,43 +231,27 @@ class HiddenDecoding(nn.Module):
         start = 0 if caches is None else len(caches[0])  # rows already cached
         if start // n + L > cfg.block_size:
             raise ValueError(f"sequence of {start // n + L} tokens exceeds block_size={cfg.block_size}")
-        dev = idx.device
-        t = torch.arange(start, start + L * n, device=dev)  # expanded indices of the new rows
-        t_kv = torch.arange(start + L * n, device=dev)  # every row the keys may come from
-        pos = t if cfg.positions == "expanded" else t // n
-        final = slice(n - 1, None, n)  # final-stream rows among the new ones
-        block_masks = {}  # BlockMasks built once per forward, shared by layers of one type
-
-        def mask_for(layer, q_t, on_final):
-            mod = self.mask_mod(layer)
-            use_flex = cfg.attn_impl == "flex" or (cfg.attn_impl == "fast" and dev.type == "cuda")
-            if caches is not None or not use_flex:
-                return dense_mask(mod, q_t, t_kv)
-            key = (cfg.layout[layer], on_final)
-            if key not in block_masks:
-                block_masks[key] = create_block_mask(on_final_rows(mod, n) if on_final else mod,
-                                                     None, None, len(q_t), len(t_kv), device=dev)
-            return block_masks[key]
+        rows = Rows(cfg, start, L, idx.device)
+        fast = cfg.attn_impl == "fast" and caches is None
 
         def layer(i, block, x, kv_u):
-            kind = cfg.layout[i]
             cache = None if caches is None else caches[i]
-            if cfg.mirror_skip and block.mirror_source is not None:
-                # HD §3.1: a mirrored layer's K/V come from the source state of every stream,
-                # and only final-stream rows carry a loss, so only they go on from here.
-                if x.size(1) == t.numel():
-                    x = x[:, final]
-                if kind == "I" and not cfg.shared_kv and cfg.attn_impl == "fast" and cache is None:
-                    # the final stream attends to itself only: causal over its own rows
-                    return block(x, pos[final], "causal", kv_u=kv_u[:, final], kv_pos=pos[final])
-                return block(x, pos[final], mask_for(i, t[final], True), kv_u=kv_u, kv_pos=pos, cache=cache)
-            if kind == "F" and cfg.attn_impl == "fast" and cache is None:
-                return block(x, pos, "causal", kv_u=kv_u)  # M^full is plain causal: SDPA's kernel
-            if kind == "I" and not cfg.shared_kv and cfg.attn_impl == "fast" and cache is None:
-                x_f, u_f = block(fold(x, n), fold(pos.expand(B, -1), n), "causal",
+            plain_intra = cfg.layout[i] == "I" and not cfg.shared_kv and fast
+            if i == self.skip_from():
+                x = x[:, rows.final]  # from here on: final-stream rows only
+            if self.skip_from() is not None and i >= self.skip_from():
+                if plain_intra:  # the final stream attends to itself only: causal over its own rows
+                    return block(x, rows.pos[rows.final], "causal", kv_u=kv_u[:, rows.final],
+                                 kv_pos=rows.pos[rows.final])
+                return block(x, rows.pos[rows.final], rows.mask(i, final_only=True, cached=caches is not None),
+                             kv_u=kv_u, kv_pos=rows.pos, cache=cache)
+            if cfg.layout[i] == "F" and fast:
+                return block(x, rows.pos, "causal", kv_u=kv_u)  # M^full is plain causal: SDPA's kernel
+            if plain_intra:
+                x_f, u_f = block(fold(x, n), fold(rows.pos.expand(B, -1), n), "causal",
                                  kv_u=None if kv_u is None else fold(kv_u, n))
                 return unfold(x_f, n), unfold(u_f, n)
-            return block(x, pos, mask_for(i, t, False), kv_u=kv_u, cache=cache)
+            return block(x, rows.pos, rows.mask(i, final_only=False, cached=caches is not None), kv_u=kv_u, cache=cache)
 
         return self.backbone.run_blocks(self.embed(idx), layer)
 
@@ -235,7 +270,6 @@ class HiddenDecoding(nn.Module):
         n = self.cfg.n_streams
         h = self.hidden(idx, caches)
         B, L = idx.shape
-        skipped = h.size(1) == L and n > 1  # only final-stream rows came out (KV-mirror skip)
         if self.cfg.objective == "sum":
             logits = self.head(h.view(B, L, n, -1).sum(2))
         elif self.cfg.objective == "all" and targets is not None:
@@ -243,8 +277,8 @@ class HiddenDecoding(nn.Module):
             loss = F.cross_entropy(upcast(all_logits.flatten(0, 1)),
                                    targets.repeat_interleave(n, dim=1).flatten(), ignore_index=-1)
             return all_logits[:, n - 1::n], loss
-        else:
-            logits = self.head(h if skipped else h[:, n - 1::n])
+        else:  # under the skip, hidden returned the final-stream rows already
+            logits = self.head(h if self.skip_from() is not None else h[:, n - 1::n])
         loss = None
         if targets is not None:
             loss = F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten(), ignore_index=-1)
@@ -324,9 +358,9 @@ def draw(mask_mod, n, L):
 if __name__ == "__main__":
     n, L, w = 2, 4, 3
     print(f"Stream-Factorized Attention masks, n={n} streams, L={L} tokens (row 2b = token 2, stream b)")
-    for name, make in [("F full cross-stream", full), (f"L local cross-stream, window={w}", local),
-                       ("I intra-stream", intra), ("I with shared KV (control)", shared_intra)]:
-        print(f"\n{name}:\n{draw(make(n, w), n, L)}")
+    for name, mod in [("F full cross-stream", full()), (f"L local cross-stream, window={w}", local(w)),
+                      ("I intra-stream", intra(n)), ("I with shared KV (control)", shared_intra(n))]:
+        print(f"\n{name}:\n{draw(mod, n, L)}")
 
     torch.manual_seed(0)
     cfg = HDConfig(n_streams=4, layout="IIFLII", window=8)

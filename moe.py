@@ -119,44 +119,6 @@ class ModelConfig:
 
 
 # -----------------------------------------------------------------------------
-# Masks and the one attention call
-
-
-def causal(b, h, q_idx, kv_idx):
-    """The plain causal mask as a flex-style mask_mod: a query sees itself and earlier keys."""
-    return kv_idx <= q_idx
-
-
-def dense_mask(mask_mod, q_idx, kv_idx):
-    """The reference form of any mask_mod: a (Tq, Tk) boolean tensor, True = may attend."""
-    return mask_mod(0, 0, q_idx[:, None], kv_idx[None, :])
-
-
-_flex_compiled = None
-
-
-def attend(q, k, v, mask):
-    """Scaled dot-product attention, q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd) -> (B, H, Tq, hd).
-
-    mask: "causal" (Tq == Tk, SDPA's own causal kernel: FlashAttention on CUDA), a boolean
-    tensor broadcastable to (B, H, Tq, Tk), or a flex_attention BlockMask. Rows that see no
-    key give 0 on every path.
-    """
-    gqa = q.size(1) != k.size(1)
-    if isinstance(mask, BlockMask):
-        global _flex_compiled
-        if q.is_cuda:  # flex is fused only when compiled; on CPU the eager form is the reference
-            _flex_compiled = _flex_compiled or torch.compile(flex_attention, dynamic=False)
-            return _flex_compiled(q, k, v, block_mask=mask, enable_gqa=gqa)
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
-    if isinstance(mask, str):
-        if mask != "causal" or q.size(2) != k.size(2):
-            raise ValueError(f"mask 'causal' needs Tq == Tk, got {mask!r} with {q.size(2)} vs {k.size(2)}")
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-# -----------------------------------------------------------------------------
 # Attention: GQA, partial RoPE, KNorm, head-wise gate, KV-Mirror input
 
 
@@ -234,6 +196,44 @@ class Attention(nn.Module):
         y = attend(q, k, v, mask)  # (B, H, T, hd)
         y = y * torch.sigmoid(self.gate_proj(u)).transpose(1, 2)[..., None]  # head-wise gate
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+# -----------------------------------------------------------------------------
+# Masks and the one attention call
+
+
+def causal(b, h, q_idx, kv_idx):
+    """The plain causal mask as a flex-style mask_mod: a query sees itself and earlier keys."""
+    return kv_idx <= q_idx
+
+
+def dense_mask(mask_mod, q_idx, kv_idx):
+    """The reference form of any mask_mod: a (Tq, Tk) boolean tensor, True = may attend."""
+    return mask_mod(0, 0, q_idx[:, None], kv_idx[None, :])
+
+
+_flex_compiled = None
+
+
+def attend(q, k, v, mask):
+    """Scaled dot-product attention, q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd) -> (B, H, Tq, hd).
+
+    mask: "causal" (Tq == Tk, SDPA's own causal kernel: FlashAttention on CUDA), a boolean
+    tensor broadcastable to (B, H, Tq, Tk), or a flex_attention BlockMask. Rows that see no
+    key give 0 on every path.
+    """
+    gqa = q.size(1) != k.size(1)
+    if isinstance(mask, BlockMask):
+        global _flex_compiled
+        if q.is_cuda:  # flex is fused only when compiled; on CPU the eager form is the reference
+            _flex_compiled = _flex_compiled or torch.compile(flex_attention, dynamic=False)
+            return _flex_compiled(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    if isinstance(mask, str):
+        if mask != "causal" or q.size(2) != k.size(2):
+            raise ValueError(f"mask 'causal' needs Tq == Tk, got {mask!r} with {q.size(2)} vs {k.size(2)}")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 # -----------------------------------------------------------------------------
@@ -397,8 +397,10 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {start + T} positions exceeds block_size={self.cfg.block_size}")
         pos = torch.arange(start, start + T, device=idx.device)
         mask = "causal" if start == 0 else dense_mask(causal, pos, torch.arange(start + T, device=idx.device))
-        x = self.run_blocks(self.wte(idx), lambda i, block, x, kv_u: block(
-            x, pos, mask, kv_u=kv_u, cache=None if caches is None else caches[i]))
+
+        def layer(i, block, x, kv_u):  # hd.py and tah.py write their own (masks, streams, depths)
+            return block(x, pos, mask, kv_u=kv_u, cache=None if caches is None else caches[i])
+        x = self.run_blocks(self.wte(idx), layer)
         logits = self.lm_head(self.norm_f(x))
         loss = None
         if targets is not None:
@@ -422,6 +424,7 @@ class Transformer(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Sample max_new_tokens after idx (B, T) with a KV cache; temperature 0 is greedy."""
         return cached_generate(self, idx, max_new_tokens, temperature, top_k, generator)
+
 
 @torch.no_grad()
 def cached_generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):

@@ -47,7 +47,8 @@ class TaHConfig(ModelConfig):
     max_depth:      most passes a token may run (the paper's d_max; 2 in all its recipes).
     lora_rank:      rank r of the LoRA adapter active at depth >= 1.
     lora_alpha:     LoRA scale numerator (the update is alpha / r * B A x).
-    topk:           logits kept for the next-iteration input and the decider (paper: 100).
+    logit_topk:     logits kept for the next-iteration input and the decider (paper: 100); not
+                    the MoE's top_k (routed experts per token).
     threshold:      decider continues a token iff sigmoid(score) > threshold (paper: 0.9).
     decider_layers: blocks whose output states feed the decider; () = first, middle, last.
     decider_hidden: width of the decider MLP.
@@ -63,7 +64,7 @@ class TaHConfig(ModelConfig):
     max_depth: int = 2
     lora_rank: int = 8
     lora_alpha: float = 16.0
-    topk: int = 100
+    logit_topk: int = 100
     threshold: float = 0.9
     decider_layers: tuple = ()
     decider_hidden: int = 64
@@ -73,7 +74,7 @@ class TaHConfig(ModelConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("max_depth", "lora_rank", "topk", "decider_hidden"):
+        for name in ("max_depth", "lora_rank", "logit_topk", "decider_hidden"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
         if self.max_depth < 1:
@@ -82,8 +83,8 @@ class TaHConfig(ModelConfig):
             raise ValueError(f"lora_rank must be >= 1, got {self.lora_rank}")
         if not isinstance(self.lora_alpha, (int, float)) or not math.isfinite(self.lora_alpha):
             raise ValueError(f"lora_alpha must be a finite number, got {self.lora_alpha!r}")
-        if not 1 <= self.topk <= self.vocab_size:
-            raise ValueError(f"topk must be in [1, vocab_size={self.vocab_size}], got {self.topk}")
+        if not 1 <= self.logit_topk <= self.vocab_size:
+            raise ValueError(f"logit_topk must be in [1, vocab_size={self.vocab_size}], got {self.logit_topk}")
         if not 0.0 < self.threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
         self.decider_layers = tuple(self.decider_layers) or (0, self.n_layer // 2, self.n_layer - 1)
@@ -168,21 +169,34 @@ def add_lora(module, rank, alpha):
 # Iteration decider
 
 
+@dataclass
+class DeciderInput:
+    """What the decider reads about each state (§4.2): the output states of the blocks in
+    cfg.decider_layers, (..., C) each, and the top-k values of the running summed logits."""
+    states: list
+    topk_values: torch.Tensor
+
+    def rows(self, keep):
+        """The same features for the rows selected by the boolean mask keep, detached."""
+        return DeciderInput([s.detach()[keep] for s in self.states], self.topk_values.detach()[keep])
+
+
 class Decider(nn.Module):
-    """c_hat = sigmoid(MLP([h_l for l in layers] ++ W topk_values)), per state (§4.2)."""
+    """score = MLP([h_l for l in decider_layers] ++ W topk_values), one per state (§4.2). Returns
+    the raw score (a logit): the token goes on iff sigmoid(score) > threshold, and stage 2
+    trains it with a BCE on logits."""
 
     def __init__(self, cfg: TaHConfig):
         super().__init__()
         C = cfg.n_embd
-        self.logit_proj = nn.Linear(cfg.topk, C)
+        self.logit_proj = nn.Linear(cfg.logit_topk, C)
         self.mlp = nn.Sequential(
             nn.Linear(C * (len(cfg.decider_layers) + 1), cfg.decider_hidden), nn.GELU(),
             nn.Linear(cfg.decider_hidden, cfg.decider_hidden), nn.GELU(),
             nn.Linear(cfg.decider_hidden, 1))
 
-    def forward(self, states, topk_values):
-        """states: list of (..., C); topk_values (..., topk) raw summed logits -> score (...)."""
-        return self.mlp(torch.cat(states + [self.logit_proj(topk_values)], dim=-1)).squeeze(-1)
+    def forward(self, f: DeciderInput):
+        return self.mlp(torch.cat(f.states + [self.logit_proj(f.topk_values)], dim=-1)).squeeze(-1)
 
 
 # -----------------------------------------------------------------------------
@@ -200,6 +214,14 @@ class TaHCache:
         self.valid = torch.zeros(B, 0, dtype=torch.bool, device=device)
         self.next_pos = 0  # position of the next token
 
+    def reserve(self, T, block_size):
+        """Claim positions for T new tokens; returns the first one."""
+        start = self.next_pos
+        if start + T > block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={block_size}")
+        self.next_pos += T
+        return start
+
     def add(self, pos, depth, valid):
         self.pos = torch.cat([self.pos, pos], 1)
         self.depth = torch.cat([self.depth, depth], 1)
@@ -209,12 +231,12 @@ class TaHCache:
 @dataclass
 class DepthPass:
     """What one depth computed: query rows sel (B, Tq) token indices, valid (B, Tq), final
-    hidden states (B, Tq, C), decider features and scores where computed."""
+    hidden states (B, Tq, C), the decider's inputs and raw scores (B, Tq) where computed."""
     depth: int
     sel: torch.Tensor
     valid: torch.Tensor
     hidden: torch.Tensor
-    features: tuple = None
+    features: DeciderInput = None
     score: torch.Tensor = None
 
 
@@ -225,6 +247,27 @@ class TaHOutput:
     depths: torch.Tensor  # (B, T) passes each token ran, in [1, max_depth]
     first_logits: torch.Tensor  # (B, T, V) logits of the first pass (depth 0) alone
     passes: list = field(default_factory=list)
+
+
+def gather(t, sel):
+    """Rows sel (B, Tq) of t (B, T, ...) for each batch row: (B, Tq, ...)."""
+    return t[torch.arange(t.size(0), device=t.device)[:, None], sel]
+
+
+def check_routing(mode, idx, targets, depths, cfg):
+    """forward's inputs: a known mode, token ids, and for the oracle integer depths in range."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_tokens(idx, targets, cfg.vocab_size)
+    max_depth = cfg.max_depth
+    if mode == "oracle":
+        if depths is None or depths.shape != idx.shape:
+            raise ValueError("mode 'oracle' needs depths of the same shape as idx")
+        if depths.dtype.is_floating_point or depths.dtype == torch.bool:
+            raise ValueError(f"depths must be integers (passes per token), got {depths.dtype}")
+        if depths.min() < 1 or depths.max() > max_depth:
+            raise ValueError(f"depths must be in [1, max_depth={max_depth}], got "
+                             f"[{depths.min().item()}, {depths.max().item()}]")
 
 
 class ThinkAtHard(nn.Module):
@@ -242,7 +285,7 @@ class ThinkAtHard(nn.Module):
 
     def next_input(self, summed_logits):
         """Eq. 4 with the top-k only: softmax(top-k logits) @ E[top-k ids]."""
-        vals, ids = torch.topk(upcast(summed_logits), self.cfg.topk, dim=-1)
+        vals, ids = torch.topk(upcast(summed_logits), self.cfg.logit_topk, dim=-1)
         w = F.softmax(vals, dim=-1).to(self.backbone.wte.weight.dtype)
         return torch.einsum("...k,...kc->...c", w, self.backbone.wte(ids))
 
@@ -253,92 +296,92 @@ class ThinkAtHard(nn.Module):
         features=True keeps the decider's inputs for every pass (stage 2).
         """
         cfg = self.cfg
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        check_tokens(idx, targets, cfg.vocab_size)
+        check_routing(mode, idx, targets, depths, cfg)
         B, T = idx.shape
-        dev = idx.device
-        if mode == "oracle":
-            if depths is None or depths.shape != idx.shape:
-                raise ValueError("mode 'oracle' needs depths of the same shape as idx")
-            if depths.dtype.is_floating_point or depths.dtype == torch.bool:
-                raise ValueError(f"depths must be integers (passes per token), got {depths.dtype}")
-            if depths.min() < 1 or depths.max() > cfg.max_depth:
-                raise ValueError(f"depths must be in [1, max_depth={cfg.max_depth}], got "
-                                 f"[{depths.min().item()}, {depths.max().item()}]")
-        want = {"standard": 1, "always": cfg.max_depth, "oracle": depths}.get(mode)
-        cache = cache or TaHCache(cfg.n_layer, B, dev)
-        start = cache.next_pos
-        if start + T > cfg.block_size:
-            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={cfg.block_size}")
-        cache.next_pos += T
-
-        summed = first = None
-        ran = torch.zeros(B, T, dtype=torch.long, device=dev)
-        active = torch.ones(B, T, dtype=torch.bool, device=dev)  # tokens running this depth
+        cache = cache or TaHCache(cfg.n_layer, B, idx.device)
+        start = cache.reserve(T, cfg.block_size)
+        summed = first = None  # (B, T, V): logits summed over the depths run so far; depth 0's
+        ran = torch.zeros(B, T, dtype=torch.long, device=idx.device)  # passes each token ran
+        active = torch.ones(B, T, dtype=torch.bool, device=idx.device)  # tokens that run depth d
         passes = []
-        rows = torch.arange(B, device=dev)[:, None]
         for d in range(cfg.max_depth):
             if not active.any():
                 break
-            if cfg.gather or d == 0:  # left-pack each row's active tokens, in position order
-                n_act = active.sum(1)
-                sel = torch.argsort((~active).int(), dim=1, stable=True)[:, :int(n_act.max())]
-                valid = torch.arange(sel.size(1), device=dev) < n_act[:, None]
-            else:  # compute-everything-then-mask: every token runs, inactive rows are masked
-                sel, valid = torch.arange(T, device=dev).expand(B, T), active
-            x = self.backbone.wte(idx[rows, sel]) if d == 0 else self.next_input(summed[rows, sel])
-            q_pos, q_depth = start + sel, torch.full_like(sel, d)
-            cache.add(q_pos, q_depth, valid)
-            mod = duo_causal(q_pos, q_depth, cache.pos, cache.depth, cache.valid, cfg.attention)
-            if cfg.attn_impl == "flex":
-                mask = create_block_mask(mod, B, None, sel.size(1), cache.pos.size(1), device=dev)
-            else:
-                mask = dense_batch_mask(mod, B, sel.size(1), cache.pos.size(1), dev)
-
-            kept = {}
-
-            def layer(i, block, x, kv_u):
-                x, u = block(x, q_pos, mask, kv_u=kv_u, cache=cache.layers[i])
-                if i in cfg.decider_layers:
-                    kept[i] = x
-                return x, u
-            self.set_lora(d >= 1)  # Eq. 6: theta at depth 0, theta + Delta deeper
-            try:
-                h = self.backbone.run_blocks(x, layer)
-            finally:  # an error mid-pass must not leave the adapter on for the next call
-                self.set_lora(False)
+            sel, valid = self.select(active, d)
+            x = self.backbone.wte(gather(idx, sel)) if d == 0 else self.next_input(gather(summed, sel))
+            h, kept = self.run_pass(x, start + sel, d, valid, cache)
             logits = self.backbone.lm_head(self.backbone.norm_f(h))  # (B, Tq, V)
-
-            b_i, t_i = rows.expand_as(sel)[valid], sel[valid]
-            base = logits.new_zeros(B, T, logits.size(-1)) if d == 0 else summed
-            summed = base.index_put((b_i, t_i), logits[valid], accumulate=True)  # residual over depths
+            summed, ran = self.accumulate(summed, ran, logits, sel, valid, d, T)
             first = summed if d == 0 else first
-            ran = ran.index_put((b_i, t_i), torch.full_like(t_i, d + 1))
-
             p = DepthPass(d, sel, valid, h)
             if mode == "decider" or features:
-                topv = torch.topk(upcast(summed[rows, sel]), cfg.topk, dim=-1).values
-                topv = topv.to(self.decider.logit_proj.weight.dtype)  # bf16 or fp64 weights, no autocast
-                p.features = tuple(kept[l] for l in cfg.decider_layers) + (topv,)
-                if mode == "decider":
-                    p.score = self.decider(list(p.features[:-1]), p.features[-1])
+                topv = torch.topk(upcast(gather(summed, sel)), cfg.logit_topk, dim=-1).values
+                p.features = DeciderInput([kept[l] for l in cfg.decider_layers],
+                                          topv.to(self.decider.logit_proj.weight.dtype))  # its weights' dtype
+                p.score = self.decider(p.features) if mode == "decider" else None
             passes.append(p)
-
-            # which tokens go on to depth d + 1
-            if d + 1 >= cfg.max_depth:
-                break
-            if mode == "decider":
-                go = torch.zeros(B, T, dtype=torch.bool, device=dev)
-                go = go.index_put((b_i, t_i), torch.sigmoid(p.score[valid]) > cfg.threshold)
-                active = go
-            else:
-                active = torch.as_tensor(want, device=dev).expand(B, T) > d + 1
-
+            if d + 1 < cfg.max_depth:
+                active = self.route(mode, depths, p, d, (B, T))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(upcast(summed.flatten(0, 1)), targets.flatten(), ignore_index=-1)
         return TaHOutput(summed, loss, ran, first, passes)
+
+    def select(self, active, d):
+        """The query rows of depth d: sel (B, Tq) token indices, valid (B, Tq). Depth 0, and every
+        depth with gather=True, left-packs each row's active tokens in position order; gather=False
+        runs every token and masks the inactive ones (the reference)."""
+        if self.cfg.gather or d == 0:
+            n_act = active.sum(1)
+            sel = torch.argsort((~active).int(), dim=1, stable=True)[:, :int(n_act.max())]
+            return sel, torch.arange(sel.size(1), device=sel.device) < n_act[:, None]
+        return torch.arange(active.size(1), device=active.device).expand_as(active), active
+
+    def run_pass(self, x, q_pos, d, valid, cache):
+        """One pass of the backbone at depth d over the query rows x (B, Tq, C) at positions
+        q_pos: their keys join the cache, the duo-causal mask reads all of it (Eq. 5), and the
+        LoRA adapter is on at depth >= 1 (Eq. 6). Returns the final states and the outputs of
+        the decider's layers."""
+        cfg, B, Tq = self.cfg, x.size(0), x.size(1)
+        q_depth = torch.full_like(q_pos, d)
+        cache.add(q_pos, q_depth, valid)
+        mod = duo_causal(q_pos, q_depth, cache.pos, cache.depth, cache.valid, cfg.attention)
+        if cfg.attn_impl == "flex":
+            mask = create_block_mask(mod, B, None, Tq, cache.pos.size(1), device=x.device)
+        else:
+            mask = dense_batch_mask(mod, B, Tq, cache.pos.size(1), x.device)
+        kept = {}
+
+        def layer(i, block, x, kv_u):
+            x, u = block(x, q_pos, mask, kv_u=kv_u, cache=cache.layers[i])
+            if i in cfg.decider_layers:
+                kept[i] = x
+            return x, u
+        self.set_lora(d >= 1)  # Eq. 6: theta at depth 0, theta + Delta deeper
+        try:
+            return self.backbone.run_blocks(x, layer), kept
+        finally:  # an error mid-pass must not leave the adapter on for the next call
+            self.set_lora(False)
+
+    @staticmethod
+    def accumulate(summed, ran, logits, sel, valid, d, T):
+        """Add depth d's logits into each token's running sum (the residual over depths, Eq. 4's
+        input and the output) and record that the token ran d + 1 passes."""
+        B = sel.size(0)
+        b_i = torch.arange(B, device=sel.device)[:, None].expand_as(sel)[valid]
+        t_i = sel[valid]
+        base = logits.new_zeros(B, T, logits.size(-1)) if d == 0 else summed
+        summed = base.index_put((b_i, t_i), logits[valid], accumulate=True)
+        return summed, ran.index_put((b_i, t_i), torch.full_like(t_i, d + 1))
+
+    def route(self, mode, depths, p, d, shape):
+        """Which tokens go on to depth d + 1: (B, T) bool."""
+        if mode == "decider":  # go on iff sigmoid(score) > threshold
+            b_i = torch.arange(shape[0], device=p.sel.device)[:, None].expand_as(p.sel)[p.valid]
+            go = torch.zeros(shape, dtype=torch.bool, device=p.sel.device)
+            return go.index_put((b_i, p.sel[p.valid]), torch.sigmoid(p.score[p.valid]) > self.cfg.threshold)
+        want = {"standard": 1, "always": self.cfg.max_depth, "oracle": depths}[mode]
+        return torch.as_tensor(want, device=p.sel.device).expand(shape) > d + 1
 
     # -- training objectives (§4.3) -------------------------------------------------
 
@@ -357,8 +400,7 @@ class ThinkAtHard(nn.Module):
             out = self(idx, mode="oracle", depths=depths, features=True)
         scores, labels = [], []
         for p in out.passes[:self.cfg.max_depth - 1]:
-            feats = [f.detach()[p.valid] for f in p.features]
-            scores.append(self.decider(feats[:-1], feats[-1]))
+            scores.append(self.decider(p.features.rows(p.valid)))
             labels.append((depths.gather(1, p.sel)[p.valid] > p.depth + 1).float())
         scores = torch.cat(scores)
         labels = torch.cat(labels).to(scores.dtype)
@@ -435,7 +477,7 @@ if __name__ == "__main__":
     print("Duo-causal mask, depths per token [1, 2, 1, 2] (row i.d = token i at depth d):")
     print(draw([1, 2, 1, 2]))
     torch.manual_seed(0)
-    cfg = TaHConfig(vocab_size=128, n_experts=0, topk=16)
+    cfg = TaHConfig(vocab_size=128, n_experts=0, logit_topk=16)
     model = ThinkAtHard(cfg).eval()
     idx = torch.randint(cfg.vocab_size, (2, 24))
     x, y = idx[:, :-1], idx[:, 1:]

@@ -70,7 +70,7 @@ def test_expand_streams_keeps_dtype_and_mode(training):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_tah_decider_stage2_and_generate_run_in_the_weights_dtype_without_autocast(dtype):
     torch.manual_seed(0)
-    model = ThinkAtHard(TaHConfig(**{**TINY, "n_experts": 0}, topk=5)).to(dtype)
+    model = ThinkAtHard(TaHConfig(**{**TINY, "n_experts": 0}, logit_topk=5)).to(dtype)
     idx, tgt = batch(2)
     out = model(idx, tgt, mode="decider")
     assert out.logits.dtype == dtype
@@ -105,7 +105,7 @@ def test_gradcheck_hd_kv_mirror_final_stream_skip():
 
 def test_gradcheck_tah_gathered_depths():
     torch.manual_seed(0)
-    model = ThinkAtHard(TaHConfig(**{**TINY, "n_experts": 0}, topk=5, max_depth=3)).double()
+    model = ThinkAtHard(TaHConfig(**{**TINY, "n_experts": 0}, logit_topk=5, max_depth=3)).double()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith(".B"):

@@ -16,7 +16,7 @@ FAST = settings(max_examples=25, deadline=None)
 
 def tah_cfg(**kw):
     base = dict(vocab_size=53, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8,
-                n_experts=0, top_k=2, expert_hidden=16, ffn_hidden=48, topk=8, decider_hidden=16, lora_rank=4)
+                n_experts=0, top_k=2, expert_hidden=16, ffn_hidden=48, logit_topk=8, decider_hidden=16, lora_rank=4)
     base.update(kw)
     return TaHConfig(**base)
 
@@ -257,11 +257,11 @@ def test_lora_starts_as_a_no_op_and_is_active_only_at_depth_one_and_beyond():
 @FAST
 @given(seed=st.integers(0, 999))
 def test_next_input_with_topk_equal_vocab_is_full_softmax_mixture(seed):
-    model = make(seed, topk=53)
+    model = make(seed, logit_topk=53)
     logits = torch.randn(2, 5, 53, dtype=torch.float64) * 3
     ref = F.softmax(logits, -1) @ model.backbone.wte.weight
     torch.testing.assert_close(model.next_input(logits), ref, atol=1e-5, rtol=1e-5)
-    small = make(seed, topk=3)  # top-k: the other rows get no weight
+    small = make(seed, logit_topk=3)  # top-k: the other rows get no weight
     vals, ids = logits.topk(3, -1)
     ref3 = torch.einsum("btk,btkc->btc", F.softmax(vals, -1), small.backbone.wte.weight[ids])
     torch.testing.assert_close(small.next_input(logits), ref3, atol=1e-5, rtol=1e-5)
@@ -429,7 +429,7 @@ def test_cuda_flex_forward_and_backward_equal_dense():
 @pytest.mark.parametrize("kw, words", [
     (dict(threshold=0.0), "threshold"),
     (dict(threshold=1.0), "threshold"),
-    (dict(topk=54), "topk"),
+    (dict(logit_topk=54), "topk"),
     (dict(decider_layers=(0, 3)), "decider_layers"),
     (dict(decider_layers=(-1,)), "decider_layers"),
     (dict(max_depth=0), "max_depth"),
@@ -438,7 +438,7 @@ def test_cuda_flex_forward_and_backward_equal_dense():
     (dict(decider_layers=(0.5,)), "decider_layers"),
     (dict(lora_alpha=float("nan")), "lora_alpha"),
     (dict(lora_rank=2.5), "lora_rank"),
-    (dict(topk=3.0), "topk"),
+    (dict(logit_topk=3.0), "logit_topk"),
 ])
 def test_bad_config_raises(kw, words):
     with pytest.raises(ValueError, match=words):

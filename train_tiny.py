@@ -30,7 +30,7 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +41,63 @@ import torch.nn.functional as F
 from hd import HDConfig, HiddenDecoding, expand_streams
 from moe import ModelConfig, Transformer
 from tah import TaHConfig, ThinkAtHard, oracle_depths
+
+# -----------------------------------------------------------------------------
+# Presets
+
+
+@dataclass
+class Preset:
+    """One budget for every suite. The HD and MoE suites train the text backbone; the TaH suite
+    trains its own smaller dense model on the addition task (TaH needs a model that is short of
+    compute for its hardest tokens, see suite_tah)."""
+    # text backbone (HD, MoE)
+    n_layer: int = 6
+    n_embd: int = 64
+    n_head: int = 12
+    n_kv_head: int = 2
+    head_dim: int = 16
+    n_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 64
+    ffn_hidden: int = 192
+    layout: str = "IIFLII"
+    window: int = 16
+    block: int = 64  # tokens per sequence
+    batch: int = 8  # global batch, sequences
+    iters: int = 300  # HD: n=1 backbone pretraining; --suite all: every from-scratch arm and MoE arm
+    lr: float = 3e-3
+    warmup: int = 20
+    eval_batches: int = 8
+    hd_cont_iters: int = 150  # HD: steps every arm continues from the n=1 checkpoint
+    # TaH (addition task, dense backbone)
+    digits: int = 4
+    tah_layers: int = 3
+    tah_batch: int = 32
+    tah_base_iters: int = 700  # the "base" model every TaH arm starts from
+    tah_base_lr: float = 2e-3
+    tah_sft_iters: int = 200  # Standard, AlwaysThink and TaH stage 1, each from the base
+    tah_sft_lr: float = 1e-3
+    decider_iters: int = 300  # TaH stage 2
+    decider_lr: float = 3e-3
+    tah_eval_batches: int = 16
+    seeds: int = 3
+    plays: tuple = ("macbeth", "hamlet", "othello", "king-lear")
+
+
+PRESETS = {
+    "cpu": Preset(),
+    "gpu": Preset(n_layer=8, n_embd=192, n_head=18, n_kv_head=3, head_dim=32, n_experts=16, top_k=2,
+                  expert_hidden=192, ffn_hidden=576, layout="IIFIILII", window=64, block=128,
+                  batch=32, iters=600, lr=2e-3, warmup=50, eval_batches=16, hd_cont_iters=300,
+                  digits=6, tah_layers=4, tah_batch=64, tah_base_iters=1500, tah_sft_iters=500,
+                  decider_iters=600, seeds=3, plays=()),
+    "smoke": Preset(n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8, n_experts=4, expert_hidden=32,
+                    ffn_hidden=64, layout="IFL", window=8, block=32, batch=4, iters=4, warmup=2,
+                    eval_batches=1, hd_cont_iters=3, digits=2, tah_layers=3, tah_batch=4,
+                    tah_base_iters=4, tah_sft_iters=3, decider_iters=3, tah_eval_batches=1, seeds=1,
+                    plays=("macbeth",)),
+}
 
 # -----------------------------------------------------------------------------
 # Data
@@ -202,63 +259,6 @@ def atomic(path, write):
 
 
 # -----------------------------------------------------------------------------
-# Presets
-
-
-@dataclass
-class Preset:
-    """One budget for every suite. The HD and MoE suites train the text backbone; the TaH suite
-    trains its own smaller dense model on the addition task (TaH needs a model that is short of
-    compute for its hardest tokens, see suite_tah)."""
-    # text backbone (HD, MoE)
-    n_layer: int = 6
-    n_embd: int = 64
-    n_head: int = 12
-    n_kv_head: int = 2
-    head_dim: int = 16
-    n_experts: int = 8
-    top_k: int = 2
-    expert_hidden: int = 64
-    ffn_hidden: int = 192
-    layout: str = "IIFLII"
-    window: int = 16
-    block: int = 64  # tokens per sequence
-    batch: int = 8  # global batch, sequences
-    iters: int = 300  # HD: n=1 backbone pretraining; --suite all: every from-scratch arm and MoE arm
-    lr: float = 3e-3
-    warmup: int = 20
-    eval_batches: int = 8
-    hd_cont_iters: int = 150  # HD: steps every arm continues from the n=1 checkpoint
-    # TaH (addition task, dense backbone)
-    digits: int = 4
-    tah_layers: int = 3
-    tah_batch: int = 32
-    tah_base_iters: int = 700  # the "base" model every TaH arm starts from
-    tah_base_lr: float = 2e-3
-    tah_sft_iters: int = 200  # Standard, AlwaysThink and TaH stage 1, each from the base
-    tah_sft_lr: float = 1e-3
-    decider_iters: int = 300  # TaH stage 2
-    decider_lr: float = 3e-3
-    tah_eval_batches: int = 16
-    seeds: int = 3
-    plays: tuple = ("macbeth", "hamlet", "othello", "king-lear")
-
-
-PRESETS = {
-    "cpu": Preset(),
-    "gpu": Preset(n_layer=8, n_embd=192, n_head=18, n_kv_head=3, head_dim=32, n_experts=16, top_k=2,
-                  expert_hidden=192, ffn_hidden=576, layout="IIFIILII", window=64, block=128,
-                  batch=32, iters=600, lr=2e-3, warmup=50, eval_batches=16, hd_cont_iters=300,
-                  digits=6, tah_layers=4, tah_batch=64, tah_base_iters=1500, tah_sft_iters=500,
-                  decider_iters=600, seeds=3, plays=()),
-    "smoke": Preset(n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8, n_experts=4, expert_hidden=32,
-                    ffn_hidden=64, layout="IFL", window=8, block=32, batch=4, iters=4, warmup=2,
-                    eval_batches=1, hd_cont_iters=3, digits=2, tah_layers=3, tah_batch=4,
-                    tah_base_iters=4, tah_sft_iters=3, decider_iters=3, tah_eval_batches=1, seeds=1,
-                    plays=("macbeth",)),
-}
-
-# -----------------------------------------------------------------------------
 # Distributed setup (torchrun) and the trainer
 
 def dist_env(env):
@@ -338,22 +338,9 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
     dev = args.device
     ckpt = Path(args.run_dir) / "ckpt" / f"{name.replace('/', '_')}_s{seed}.pt"
     opts = make_optimizer(model, P.lr, args.muon)
-    start, losses = 0, []
-    if ckpt.exists():
-        try:
-            state = torch.load(ckpt, map_location=dev, weights_only=False)
-            model.load_state_dict(state["model"])
-            for o, s in zip(opts, state["opts"]):
-                o.load_state_dict(s)
-            start, losses = state["iter"], state["losses"]
-        except Exception as e:
-            raise SystemExit(f"error: checkpoint {ckpt} cannot be resumed ({type(e).__name__}); "
-                             f"delete it to train this arm again, or run with --fresh")
-        if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
-            raise SystemExit(f"error: checkpoint {ckpt} holds non-finite weights; delete it to train this "
-                             f"arm again, or run with --fresh")
-        if start < P.iters:
-            log(f"[{name} s{seed}] resuming at step {start}")
+    start, losses = resume(ckpt, model, opts, dev)
+    if 0 < start < P.iters:
+        log(f"[{name} s{seed}] resuming at step {start}")
     params = [p for p in model.parameters() if p.requires_grad]
     micro = P.batch // (WORLD * args.accum)
     if micro < 1 or P.batch % (WORLD * args.accum):
@@ -377,15 +364,7 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
             loss.backward()
             total += loss.item()
         if DDP:
-            # average gradients by hand: with routing (MoE, TaH depths) the set of parameters
-            # that receive a gradient can differ between ranks, which DDP's hooks do not allow
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-            t = torch.tensor(total, device=dev)
-            dist.all_reduce(t, op=dist.ReduceOp.AVG)
-            total = t.item()
+            total = average_over_ranks(params, total, dev)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         for o in opts:
             o.step()
@@ -399,22 +378,76 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
         PROGRESS.done += 1
         done = it + 1
         if done % args.log_every == 0 or done == P.iters:
-            dt = (time.perf_counter() - t0) / (done - start)
-            tok = P.batch * P.block / dt
-            mfu = ""
-            if dev.startswith("cuda"):  # 6 N FLOPs per token, against an H100/H200's 989 TFLOP/s bf16
-                n = sum(p.numel() for p in model.parameters())
-                mfu = f" | mfu {6 * n * tok / 989e12:.2%}"
-            log(f"[{name} s{seed}] step {done}/{P.iters} | loss {total:.4f} | {dt * 1e3:.0f} ms/step | "
-                f"{tok / 1e3:.1f}k tok/s{mfu} | {PROGRESS.line()}")
+            log_step(name, seed, done, P, total, (time.perf_counter() - t0) / (done - start), model, dev)
         if MASTER and (done % args.ckpt_every == 0 or done == P.iters):
-            ckpt.parent.mkdir(parents=True, exist_ok=True)
-            state = {"model": model.state_dict(), "opts": [o.state_dict() for o in opts], "iter": done,
-                     "losses": losses}
-            atomic(ckpt, lambda f: torch.save(state, f))
+            save(ckpt, model, opts, done, losses)
         if on_step is not None:
             on_step(done)
     return losses
+
+
+def resume(ckpt, model, opts, dev):
+    """Load a checkpoint into model and optimizers if one exists: (first step, losses so far)."""
+    if not ckpt.exists():
+        return 0, []
+    try:
+        state = torch.load(ckpt, map_location=dev, weights_only=False)
+        model.load_state_dict(state["model"])
+        for o, s in zip(opts, state["opts"]):
+            o.load_state_dict(s)
+    except Exception as e:
+        raise SystemExit(f"error: checkpoint {ckpt} cannot be resumed ({type(e).__name__}); "
+                         f"delete it to train this arm again, or run with --fresh")
+    if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
+        raise SystemExit(f"error: checkpoint {ckpt} holds non-finite weights; delete it to train this "
+                         f"arm again, or run with --fresh")
+    return state["iter"], state["losses"]
+
+
+def save(ckpt, model, opts, done, losses):
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    state = {"model": model.state_dict(), "opts": [o.state_dict() for o in opts], "iter": done, "losses": losses}
+    atomic(ckpt, lambda f: torch.save(state, f))
+
+
+def average_over_ranks(params, total, dev):
+    """Average gradients and the loss over DDP ranks by hand: with routing (MoE, TaH depths) the
+    set of parameters that receive a gradient can differ between ranks, which DDP's hooks do
+    not allow."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    t = torch.tensor(total, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    return t.item()
+
+
+def log_step(name, seed, done, P, loss, dt, model, dev):
+    tok = P.batch * P.block / dt
+    mfu = ""
+    if dev.startswith("cuda"):  # model FLOPs per token (as nanoGPT's estimate_mfu), vs 989 TFLOP/s bf16 (H100/H200)
+        mfu = f" | mfu {flops_per_token(model, P.block) * tok / 989e12:.2%}"
+    log(f"[{name} s{seed}] step {done}/{P.iters} | loss {loss:.4f} | {dt * 1e3:.0f} ms/step | "
+        f"{tok / 1e3:.1f}k tok/s{mfu} | {PROGRESS.line()}")
+
+
+def flops_per_token(model, T):
+    """Training FLOPs per input token (forward + backward = 3x forward), counting what runs:
+    6 per weight a row passes through (only top_k of the routed experts, not the embedding
+    lookups), plus attention's 12 * layers * heads * head_dim * (keys seen ~ rows / 2), times
+    the rows a token becomes (HD: n streams; TaH: one pass, depth >= 1 not counted)."""
+    body = backbone_of(model)
+    cfg = body.cfg
+    n = getattr(cfg, "n_streams", 1)
+    per_row = 0
+    for name, p in body.named_parameters():
+        if "wte" in name or p.ndim < 2:
+            continue
+        share = cfg.top_k / cfg.n_experts if name.endswith(("w_gate_up", "w_down")) else 1.0
+        per_row += share * p.numel()
+    attention = 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * (n * T) / 2
+    return n * (6 * per_row + attention)
 
 
 @torch.no_grad()
@@ -438,15 +471,65 @@ def evaluate(model, data, P, args, fwd=None):
 
 
 # -----------------------------------------------------------------------------
-# Suites: each returns rows {effect, arm, metric, seed, value}. An effect's first arm is the
-# baseline its other arms are compared with, seed by seed.
+# Suites: each returns rows {effect, paper, arm, metric, seed, value}. An effect's first arm is
+# the baseline its other arms are compared with, seed by seed. The report reads only rows.
 
-HD_N = "HD: expansion factor n, continued from one n=1 checkpoint"
-TAH_ROUTING = "TaH: routing (addition, answer digits)"
-TAH_SWEEP = "TaH: decider threshold sweep"
-TAH_DIAG = "TaH: diagnostics"
-MOE_BALANCE = "MoE: loss-free balancing"
+
+@dataclass(frozen=True)
+class Effect:
+    """One comparison of the report, with the paper's figure it is set against."""
+    name: str
+    paper: str
+
+
+HD_N = Effect("HD: expansion factor n, continued from one n=1 checkpoint",
+              "6B MoE loss: baseline 1.908, HD n=2 1.874, n=3 1.857 (HD Table 5); each stage continues the "
+              "previous one's checkpoint (HD §2.3)")
+HD_SCRATCH = Effect("HD: expansion factor n, from scratch",
+                    "HD is continued pretraining; from scratch is this project's contrast")
+HD_LAYOUTS = Effect("HD: stream-factorized layouts (n=2, from scratch)",
+                    "21B avg: baseline 54.33; SF(1) +1.55, SF(4) +2.16, all-full +2.62 (HD Table 4)")
+HD_OBJECTIVE = Effect("HD: training objective (n=2, from scratch)", "loss: final 1.874 < sum 1.877 < all 1.880 (HD Table 5)")
+HD_KV = Effect("HD: per-stream vs shared KV (n=2, from scratch)",
+               "avg: per-stream 64.23 vs shared 63.46 (1 full layer) (HD Table 6)")
+TAH_ROUTING = Effect("TaH: routing (addition, answer digits)",
+                     "Qwen3-1.7B, avg acc: Standard 47.8, AlwaysThink 44.7, TaH 52.8 with ~6% of tokens iterated "
+                     "(TaH Tables 1, 9); AlwaysThink corrupts more than it corrects (Fig. 1b); decider imitates the "
+                     "oracle at ~83% (Fig. 6)")
+TAH_SWEEP = Effect("TaH: decider threshold sweep", "accuracy is robust across thresholds, ~6% iterated at 0.9 (TaH Fig. 4)")
+TAH_DIAG = Effect("TaH: diagnostics", "overthink (false 'continue') costs about twice as much as underthink (TaH Table 10)")
+TAH_ATTENTION = Effect("TaH: duo-causal vs ablations (oracle routing)",
+                       "avg: duo-causal 35.9 vs causal (depth-1 keys) 30.5 (TaH Table 2)")
+MOE_BALANCE = Effect("MoE: loss-free balancing", "the bias keeps experts balanced without an auxiliary loss (DeepSeek-V3 §2.1.2)")
+MOE_MIRROR = Effect("MoE: KV-Mirror", "WeLM: KV-Mirror beats direct K/V reuse (blog; no number given)")
 MOE_LOAD = "max/mean expert load (held-out batches)"
+
+# arm names the verdicts refer to
+TAH_ORACLE = "TaH, oracle routing (upper bound)"
+TAH_DECIDER = f"TaH, decider routing (threshold {TaHConfig.threshold})"  # the paper's 0.9
+
+
+def hd_ablation_arms(P):
+    """--suite all: HD arms trained from scratch for P.iters steps, as (effect, arm, HDConfig
+    overrides of the preset's backbone)."""
+    L = P.n_layer
+    layouts = [("all-full", "F" * L), ("few-full", P.layout), ("one-full", "I" * (L - 1) + "F"), ("all-intra", "I" * L)]
+    return ([(HD_SCRATCH, f"n={n} from scratch (layout {P.layout})", dict(n_streams=n)) for n in (1, 2, 4)]
+            + [(HD_LAYOUTS, f"layout {name} ({lay})", dict(n_streams=2, layout=lay)) for name, lay in layouts]
+            + [(HD_OBJECTIVE, f"objective {o}", dict(n_streams=2, objective=o)) for o in ("final", "all", "sum")]
+            + [(HD_KV, "per-stream KV", dict(n_streams=2)), (HD_KV, "shared KV", dict(n_streams=2, shared_kv=True))])
+
+
+def moe_arms(every_arm):
+    """(effect, arm, ModelConfig overrides): loss-free balancing off and on; with --suite all,
+    KV-Mirror off (its baseline, "KV-Mirror on", is the "bias update on" model)."""
+    arms = [(MOE_BALANCE, "bias update off", dict(balance_gamma=0.0)),
+            (MOE_BALANCE, "bias update on", dict(balance_gamma=1e-3))]
+    return arms + ([(MOE_MIRROR, "KV-Mirror off", dict(balance_gamma=1e-3, kv_mirror=False))] if every_arm else [])
+
+
+# the TaH arms compared with Standard: (arm, which fine-tuned model, routing mode)
+TAH_ARMS = [("AlwaysThink", "always", "always"), (TAH_ORACLE, "tah", "oracle"), (TAH_DECIDER, "tah", "decider")]
 
 
 def backbone_cfg(P, vocab, **kw):
@@ -462,7 +545,7 @@ def lm_loss(model, x, y):
 
 
 def result_rows(effect, arm, seed, r):
-    return [dict(effect=effect, arm=arm, metric=m, seed=seed, value=v) for m, v in r.items()]
+    return [dict(effect=effect.name, paper=effect.paper, arm=arm, metric=m, seed=seed, value=v) for m, v in r.items()]
 
 
 class ShiftedData:
@@ -483,7 +566,7 @@ def hd_continuations(base, ns, device):
     return {n: expand_streams(base, n).to(device) for n in ns}
 
 
-def suite_hd(P, args, seed, data, full):
+def suite_hd(P, args, seed, data, every_arm):
     """Pretrain an n = 1 backbone, then continue it as n = 1 (control), 2 and 4 on the same
     batches for the same steps (the paper's continued-pretraining protocol)."""
     rows, V = [], data.vocab_size
@@ -497,32 +580,20 @@ def suite_hd(P, args, seed, data, full):
     for n, model in hd_continuations(base, (1, 2, 4), args.device).items():
         train(f"hd/n={n} continued", model, lm_loss, later, cont, args, seed)
         rows += result_rows(HD_N, f"n={n} continued", seed, evaluate(model, data, P, args))
-    if full:
+    if every_arm:
         rows += suite_hd_ablations(P, args, seed, data)
     return rows
 
 
 def suite_hd_ablations(P, args, seed, data):
-    """--suite all: HD arms trained from scratch for P.iters steps (n, layouts, objectives, KV)."""
-    rows, V = [], data.vocab_size
-
-    def run(arm, effect, **kw):
+    """--suite all: every arm of hd_ablation_arms, from scratch."""
+    rows = []
+    for effect, arm, overrides in hd_ablation_arms(P):
         torch.manual_seed(seed)
-        model = HiddenDecoding(HDConfig(**backbone_cfg(P, V, **{"layout": P.layout, "window": P.window, **kw}))).to(args.device)
+        cfg = HDConfig(**backbone_cfg(P, data.vocab_size, **{"layout": P.layout, "window": P.window, **overrides}))
+        model = HiddenDecoding(cfg).to(args.device)
         train(f"hd/{arm}", model, lm_loss, data, P, args, seed)
-        rows.extend(result_rows(effect, arm, seed, evaluate(model, data, P, args)))
-
-    for n in (1, 2, 4):
-        run(f"n={n} from scratch", f"HD: expansion factor n, from scratch (layout {P.layout})", n_streams=n)
-    L = P.n_layer
-    for arm, layout in [("all-full", "F" * L), ("few-full", P.layout), ("one-full", "I" * (L - 1) + "F"),
-                        ("all-intra", "I" * L)]:
-        run(f"layout {arm} ({layout})", "HD: stream-factorized layouts (n=2, from scratch)", n_streams=2, layout=layout)
-    for obj in ("final", "all", "sum"):
-        run(f"objective {obj}", "HD: training objective (n=2, from scratch)", n_streams=2, objective=obj)
-    for shared in (False, True):
-        run("shared KV" if shared else "per-stream KV", "HD: per-stream vs shared KV (n=2, from scratch)",
-            n_streams=2, shared_kv=shared)
+        rows += result_rows(effect, arm, seed, evaluate(model, data, P, args))
     return rows
 
 
@@ -600,16 +671,15 @@ def tah_eval(model, data, P, args, mode, oracle, threshold=None):
     return r, dict(ok=ok, first_ok=first_ok, hard=hard, went=went)
 
 
-def suite_tah(P, args, seed, data, full):
+def suite_tah(P, args, seed, data, every_arm):
     """The paper's protocol (TaH §4.3, §5) at tiny scale. A base model is pretrained on the
     addition task; from it, on the same batches for the same steps: Standard (fine-tuned as is:
     it is also the oracle's reference, as the paper uses the SFT model), AlwaysThink (every token
     2 passes), TaH stage 1 (oracle depths from the frozen Standard model), then TaH stage 2 (the
     decider imitates the oracle, everything else frozen)."""
-    rows = []
     base_P, sft_P, stage2_P = tah_stages(P)
     cfg = TaHConfig(**backbone_cfg(P, data.vocab_size, n_experts=0, n_layer=P.tah_layers),
-                    topk=min(100, data.vocab_size), max_depth=2, lora_rank=8)
+                    logit_topk=min(100, data.vocab_size), max_depth=2, lora_rank=8)
     torch.manual_seed(seed)
     base = ThinkAtHard(cfg).to(args.device)
     std_loss = lambda m, x, y: m(x, y, mode="standard").loss
@@ -621,72 +691,75 @@ def suite_tah(P, args, seed, data, full):
         m.load_state_dict(base.state_dict())
         return m
 
-    std = from_base()
-    train("tah/Standard", std, std_loss, later, sft_P, args, seed)
-    ref = copy.deepcopy(std).eval().requires_grad_(False)
-    oracle = Oracle(ref, cfg.max_depth)
-    always = from_base()
-    train("tah/AlwaysThink", always, lambda m, x, y: m(x, y, mode="always").loss, later, sft_P, args, seed)
-    tah = from_base()
+    models = {"standard": from_base(), "always": from_base(), "tah": from_base()}
+    train("tah/Standard", models["standard"], std_loss, later, sft_P, args, seed)
+    oracle = Oracle(copy.deepcopy(models["standard"]).eval().requires_grad_(False), cfg.max_depth)
+    train("tah/AlwaysThink", models["always"], lambda m, x, y: m(x, y, mode="always").loss, later, sft_P, args, seed)
     stage1 = lambda m, x, y: m.stage1_loss(x, y, oracle(x, y))
-    train("tah/TaH stage 1", tah, stage1, later, sft_P, args, seed)
-    tah.requires_grad_(False).decider.requires_grad_(True)  # stage 2: only the decider learns
-    train("tah/TaH stage 2 (decider)", tah, lambda m, x, y: m.stage2_loss(x, oracle(x, y))[0],
+    train("tah/TaH stage 1", models["tah"], stage1, later, sft_P, args, seed)
+    models["tah"].requires_grad_(False).decider.requires_grad_(True)  # stage 2: only the decider learns
+    train("tah/TaH stage 2 (decider)", models["tah"], lambda m, x, y: m.stage2_loss(x, oracle(x, y))[0],
           ShiftedData(data, base_P.iters + sft_P.iters), stage2_P, args, seed)
-
     ev = lambda m, mode, thr=None: tah_eval(m, data, base_P, args, mode, oracle, thr)
-    r_std, o_std = ev(std, "standard")
-    rows += result_rows(TAH_ROUTING, "Standard", seed, r_std)
-    threshold = cfg.threshold  # the paper's 0.9
-    arms = [("AlwaysThink", always, "always"), ("TaH, oracle routing (upper bound)", tah, "oracle"),
-            (f"TaH, decider routing (threshold {threshold})", tah, "decider")]
-    sweep = {"standard": r_std}
-    for arm, model, mode in arms:
-        r, o = ev(model, mode)
-        # revisions against Standard's prediction of the same token (TaH Fig. 1b)
-        r["corrected vs Standard"] = int((o["ok"] & ~o_std["ok"]).sum())
-        r["corrupted vs Standard"] = int((~o["ok"] & o_std["ok"]).sum())
-        rows += result_rows(TAH_ROUTING, arm, seed, r)
-        if mode == "oracle":  # where the oracle's gain comes from: depth 0 alone vs the sum
-            h = o["hard"]
-            rows += result_rows(TAH_DIAG, "TaH under the oracle", seed, {
-                "hard share of answer digits": h.float().mean().item(),
-                "depth-0 acc, easy digits": o["first_ok"][~h].float().mean().item(),
-                "depth-0 acc, hard digits": o["first_ok"][h].float().mean().item(),
-                "summed acc, hard digits": o["ok"][h].float().mean().item()})
-        if mode == "decider":
-            fp = o["went"] & ~o["hard"]  # easy digits the decider sent on
-            rows += result_rows(TAH_DIAG, "TaH under the decider", seed, {
-                "easy digits sent on": fp.float().mean().item(),
-                "of those, right at depth 0": o["first_ok"][fp].float().mean().item() if fp.any() else float("nan"),
-                "of those, right after depth 1": o["ok"][fp].float().mean().item() if fp.any() else float("nan")})
-        sweep[threshold if mode == "decider" else mode] = r
-    # the compute-accuracy trade-off (TaH Fig. 4): Standard and AlwaysThink are the end points
-    for thr in (0.1, 0.3, 0.5, 0.7, 0.8, 0.95):
-        sweep[thr] = ev(tah, "decider", thr)[0]
-    for key in ["standard"] + sorted(k for k in sweep if not isinstance(k, str)) + ["always"]:
-        arm = {"standard": "Standard", "always": "AlwaysThink"}.get(key, f"TaH decider, threshold {key}")
-        rows += result_rows(TAH_SWEEP, arm, seed, {k: sweep[key][k] for k in ("iterated", "acc")})
-    if full:
+    rows = tah_routing_rows(models, ev, seed)
+    if every_arm:
         for attention in ("first_depth", "depth_local"):
             m = from_base(attention)
             train(f"tah/TaH stage 1, {attention}", m, stage1, later, sft_P, args, seed)
             if attention == "first_depth":
-                rows += result_rows("TaH: duo-causal vs ablations (oracle routing)", "duo-causal", seed,
-                                    {k: v for k, v in ev(tah, "oracle")[0].items()})
-            rows += result_rows("TaH: duo-causal vs ablations (oracle routing)", attention.replace("_", "-"), seed,
-                                ev(m, "oracle")[0])
+                rows += result_rows(TAH_ATTENTION, "duo-causal", seed, ev(models["tah"], "oracle")[0])
+            rows += result_rows(TAH_ATTENTION, attention.replace("_", "-"), seed, ev(m, "oracle")[0])
     return rows
 
 
-def suite_moe(P, args, seed, data, full):
+def tah_routing_rows(models, ev, seed):
+    """Held-out rows of the TaH suite: Standard, then each of TAH_ARMS with its revisions against
+    Standard, the diagnostics, and the threshold sweep. ev(model, mode, threshold) -> tah_eval."""
+    r_std, o_std = ev(models["standard"], "standard")
+    rows = result_rows(TAH_ROUTING, "Standard", seed, r_std)
+    sweep = {"standard": r_std}
+    for arm, which, mode in TAH_ARMS:
+        r, o = ev(models[which], mode)
+        # revisions against Standard's prediction of the same token (TaH Fig. 1b)
+        r["corrected vs Standard"] = int((o["ok"] & ~o_std["ok"]).sum())
+        r["corrupted vs Standard"] = int((~o["ok"] & o_std["ok"]).sum())
+        rows += result_rows(TAH_ROUTING, arm, seed, r)
+        rows += tah_diagnostics(mode, o, seed)
+        sweep[models[which].cfg.threshold if mode == "decider" else mode] = r
+    # the compute-accuracy trade-off (TaH Fig. 4): Standard and AlwaysThink are the end points
+    for thr in (0.1, 0.3, 0.5, 0.7, 0.8, 0.95):
+        sweep[thr] = ev(models["tah"], "decider", thr)[0]
+    for key in ["standard"] + sorted(k for k in sweep if not isinstance(k, str)) + ["always"]:
+        arm = {"standard": "Standard", "always": "AlwaysThink"}.get(key, f"TaH decider, threshold {key}")
+        rows += result_rows(TAH_SWEEP, arm, seed, {k: sweep[key][k] for k in ("iterated", "acc")})
+    return rows
+
+
+def tah_diagnostics(mode, o, seed):
+    """Oracle: where its gain comes from (depth 0 alone vs the sum). Decider: the fate of the
+    easy digits it sends on (overthinking)."""
+    if mode == "oracle":
+        h = o["hard"]
+        return result_rows(TAH_DIAG, "TaH under the oracle", seed, {
+            "hard share of answer digits": h.float().mean().item(),
+            "depth-0 acc, easy digits": o["first_ok"][~h].float().mean().item(),
+            "depth-0 acc, hard digits": o["first_ok"][h].float().mean().item(),
+            "summed acc, hard digits": o["ok"][h].float().mean().item()})
+    if mode == "decider":
+        fp = o["went"] & ~o["hard"]  # easy digits the decider sent on
+        return result_rows(TAH_DIAG, "TaH under the decider", seed, {
+            "easy digits sent on": fp.float().mean().item(),
+            "of those, right at depth 0": o["first_ok"][fp].float().mean().item() if fp.any() else float("nan"),
+            "of those, right after depth 1": o["ok"][fp].float().mean().item() if fp.any() else float("nan")})
+    return []
+
+
+def suite_moe(P, args, seed, data, every_arm):
+    """Loss-free balancing off vs on (and KV-Mirror off with --suite all), each from scratch."""
     rows = []
-    arms = [("bias update off", dict(balance_gamma=0.0)), ("bias update on", dict(balance_gamma=1e-3))]
-    if full:
-        arms += [("KV-Mirror off", dict(balance_gamma=1e-3, kv_mirror=False))]
-    for arm, kw in arms:
+    for effect, arm, overrides in moe_arms(every_arm):
         torch.manual_seed(seed)
-        model = Transformer(ModelConfig(**backbone_cfg(P, data.vocab_size, **kw))).to(args.device)
+        model = Transformer(ModelConfig(**backbone_cfg(P, data.vocab_size, **overrides))).to(args.device)
         train(f"moe/{arm}", model, lm_loss, data, P, args, seed)
         loads = []
 
@@ -697,46 +770,29 @@ def suite_moe(P, args, seed, data, full):
         r = evaluate(model, data, P, args, watch)
         load = torch.stack(loads)  # (batches, layers, experts)
         r[MOE_LOAD] = (load.max(-1).values / load.mean(-1)).mean().item()
-        if "Mirror" in arm:
-            rows += result_rows("MoE: KV-Mirror", "KV-Mirror on", seed,
-                                {x["metric"]: x["value"] for x in rows if x["arm"] == "bias update on"
-                                 and x["metric"] in ("loss", "acc")})
-            rows += result_rows("MoE: KV-Mirror", arm, seed, {k: r[k] for k in ("loss", "acc")})
-        else:
-            rows += result_rows(MOE_BALANCE, arm, seed, r)
+        if effect is MOE_MIRROR:
+            on = {x["metric"]: x["value"] for x in rows if x["arm"] == "bias update on" and x["metric"] in ("loss", "acc")}
+            rows += result_rows(MOE_MIRROR, "KV-Mirror on", seed, on)
+            r = {k: r[k] for k in ("loss", "acc")}
+        rows += result_rows(effect, arm, seed, r)
     return rows
 
 
 SUITES = {"hd": suite_hd, "tah": suite_tah, "moe": suite_moe}
 
 
-def planned_arms(suite, full):
+def planned_arms(suite, every_arm):
     """Training stages one seed of a suite runs (for the progress line)."""
-    return {"hd": 4 + 12 * full, "tah": 5 + 2 * full}.get(suite, 2 + full)
+    return {"hd": 4 + 12 * every_arm, "tah": 5 + 2 * every_arm}.get(suite, 2 + every_arm)
 
 
-def planned_steps(P, suite, full):
+def planned_steps(P, suite, every_arm):
     """Training steps one seed of a suite runs (for the progress line)."""
     if suite == "hd":
-        return P.iters + 3 * P.hd_cont_iters + (12 * P.iters if full else 0)
+        return P.iters + 3 * P.hd_cont_iters + (12 * P.iters if every_arm else 0)
     if suite == "tah":
-        return P.tah_base_iters + (3 + 2 * full) * P.tah_sft_iters + P.decider_iters
-    return (2 + full) * P.iters
-
-
-PAPER = {
-    HD_N: "6B MoE loss: baseline 1.908, HD n=2 1.874, n=3 1.857 (HD Table 5); each stage continues the previous one's checkpoint (HD §2.3)",
-    TAH_ROUTING: "Qwen3-1.7B, avg acc: Standard 47.8, AlwaysThink 44.7, TaH 52.8 with ~6% of tokens iterated (TaH Tables 1, 9); AlwaysThink corrupts more than it corrects (Fig. 1b); decider imitates the oracle at ~83% (Fig. 6)",
-    TAH_SWEEP: "accuracy is robust across thresholds, ~6% iterated at 0.9 (TaH Fig. 4)",
-    TAH_DIAG: "overthink (false 'continue') costs about twice as much as underthink (TaH Table 10)",
-    MOE_BALANCE: "the bias keeps experts balanced without an auxiliary loss (DeepSeek-V3 §2.1.2)",
-    "HD: expansion factor n, from scratch": "HD is continued pretraining; from scratch is this project's contrast",
-    "HD: stream-factorized layouts": "21B avg: baseline 54.33; SF(1) +1.55, SF(4) +2.16, all-full +2.62 (HD Table 4)",
-    "HD: training objective": "loss: final 1.874 < sum 1.877 < all 1.880 (HD Table 5)",
-    "HD: per-stream vs shared KV": "avg: per-stream 64.23 vs shared 63.46 (1 full layer) (HD Table 6)",
-    "TaH: duo-causal vs ablations": "avg: duo-causal 35.9 vs causal (depth-1 keys) 30.5 (TaH Table 2)",
-    "MoE: KV-Mirror": "WeLM: KV-Mirror beats direct K/V reuse (blog; no number given)",
-}
+        return P.tah_base_iters + (3 + 2 * every_arm) * P.tah_sft_iters + P.decider_iters
+    return (2 + every_arm) * P.iters
 
 
 # -----------------------------------------------------------------------------
@@ -748,7 +804,7 @@ class Claim:
     """The paper says `arm` differs from `baseline` (another arm, or a target number) in `metric`
     with sign `sign` (+1: higher)."""
     name: str
-    effect: str
+    effect: Effect
     arm: str
     baseline: object
     metric: str
@@ -762,14 +818,11 @@ CLAIMS = [
     Claim("latent overthinking: AlwaysThink corrupts more than it corrects", TAH_ROUTING, "AlwaysThink", "AlwaysThink",
           "corrupted - corrected vs Standard", +1),
     Claim("AlwaysThink falls below Standard (paper: 44.7 vs 47.8)", TAH_ROUTING, "AlwaysThink", "Standard", "acc", -1),
-    Claim("TaH under the oracle beats Standard (upper bound)", TAH_ROUTING, "TaH, oracle routing (upper bound)",
-          "Standard", "acc", +1),
-    Claim("TaH under its decider beats Standard: answer digits", TAH_ROUTING, "TaH, decider routing (threshold 0.9)",
-          "Standard", "acc", +1),
-    Claim("TaH under its decider beats Standard: whole answers", TAH_ROUTING, "TaH, decider routing (threshold 0.9)",
-          "Standard", "exact match", +1),
-    Claim("decider imitates the oracle: balanced accuracy above 0.80", TAH_ROUTING,
-          "TaH, decider routing (threshold 0.9)", 0.80, "decider balanced acc", +1),
+    Claim("TaH under the oracle beats Standard (upper bound)", TAH_ROUTING, TAH_ORACLE, "Standard", "acc", +1),
+    Claim("TaH under its decider beats Standard: answer digits", TAH_ROUTING, TAH_DECIDER, "Standard", "acc", +1),
+    Claim("TaH under its decider beats Standard: whole answers", TAH_ROUTING, TAH_DECIDER, "Standard", "exact match", +1),
+    Claim("decider imitates the oracle: balanced accuracy above 0.80", TAH_ROUTING, TAH_DECIDER, 0.80,
+          "decider balanced acc", +1),
     Claim("loss-free bias balances the experts", MOE_BALANCE, "bias update on", "bias update off", MOE_LOAD, -1),
 ]
 
@@ -788,7 +841,7 @@ def verdict(deltas, sign):
 
 def claim_deltas(rows, claim):
     """Per-seed differences for a claim, from the rows."""
-    val = {(r["arm"], r["metric"], r["seed"]): r["value"] for r in rows if r["effect"] == claim.effect}
+    val = {(r["arm"], r["metric"], r["seed"]): r["value"] for r in rows if r["effect"] == claim.effect.name}
     seeds = sorted({s for (a, m, s) in val if a == claim.arm})
     if claim.metric == "corrupted - corrected vs Standard":
         return [val[(claim.arm, "corrupted vs Standard", s)] - val[(claim.arm, "corrected vs Standard", s)]
@@ -817,14 +870,15 @@ def summarize(rows):
     """Group rows into (effect, arm, metric) -> mean, std over seeds, and the difference to the
     effect's first arm paired by seed (same seed = same init and batches, so the pairing
     removes most of the seed-to-seed spread)."""
-    groups, first_arm = {}, {}
+    groups, first_arm, paper = {}, {}, {}
     for r in rows:
         groups.setdefault((r["effect"], r["arm"], r["metric"]), {})[r["seed"]] = r["value"]
         first_arm.setdefault(r["effect"], r["arm"])
+        paper.setdefault(r["effect"], r.get("paper", ""))
     out = []
     for (effect, arm, metric), by_seed in groups.items():
         v = np.array(list(by_seed.values()), dtype=float)
-        s = dict(effect=effect, arm=arm, metric=metric, mean=float(v.mean()),
+        s = dict(effect=effect, paper=paper[effect], arm=arm, metric=metric, mean=float(v.mean()),
                  std=float(v.std(ddof=1)) if len(v) > 1 else 0.0, n=len(v), values=by_seed)
         ref = groups.get((effect, first_arm[effect], metric))
         if arm != first_arm[effect] and ref:
@@ -849,7 +903,7 @@ def table(summary, verdicts, header):
         cells = [s for s in summary if s["effect"] == effect]
         metrics = list(dict.fromkeys(s["metric"] for s in cells))
         arms = list(dict.fromkeys(s["arm"] for s in cells))
-        paper = next((v for k, v in PAPER.items() if effect.startswith(k)), "")
+        paper = cells[0]["paper"]
         lines += ["", f"**{effect}**" + (f" (paper: {paper})" if paper else ""), "",
                   "| arm | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
         for arm in arms:
@@ -906,7 +960,7 @@ def plot_sweep(summary, out_dir):
     """TaH's compute-accuracy trade-off: answer-digit accuracy vs tokens iterated."""
     pts = {}
     for s in summary:
-        if s["effect"] == TAH_SWEEP:
+        if s["effect"] == TAH_SWEEP.name:
             pts.setdefault(s["arm"], {})[s["metric"]] = s["mean"]
     if not pts:
         return None
@@ -934,28 +988,62 @@ def plot_sweep(summary, out_dir):
 # -----------------------------------------------------------------------------
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def preset_flags(ap):
+    """One flag per Preset field, nanoGPT style (--n_layer=4, --plays=macbeth,hamlet): each
+    overrides the chosen preset's value."""
+    group = ap.add_argument_group("preset overrides (default: the preset's value)")
+    for f in fields(Preset):
+        kind = type(f.default)
+        parse_value = (lambda v: tuple(x for x in v.split(",") if x)) if kind is tuple else kind
+        values = ", ".join(f"{k} {getattr(p, f.name)!r}" for k, p in PRESETS.items())
+        group.add_argument(f"--{f.name}", type=parse_value, default=argparse.SUPPRESS,
+                           metavar=kind.__name__.upper(), help=values)
+
+
+def check_preset(P):
+    """Every field in range, and the models it builds valid: one line before any training."""
+    for f in fields(Preset):
+        v = getattr(P, f.name)
+        if isinstance(v, int) and v < 1:
+            return f"--{f.name} must be >= 1, got {v}"
+        if isinstance(v, float) and not (math.isfinite(v) and v > 0):
+            return f"--{f.name} must be a finite number > 0, got {v}"
+    try:
+        HDConfig(**backbone_cfg(P, 100, layout=P.layout, window=P.window, n_streams=4))
+        TaHConfig(**backbone_cfg(P, len(Arith.VOCAB), n_experts=0, n_layer=P.tah_layers), logit_topk=len(Arith.VOCAB))
+    except ValueError as e:
+        return f"this preset builds no valid model: {e}"
+    return None
+
+
 def parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", default="headline", help="headline (default: the HD and TaH demonstrations), all (every arm of hd, tah and moe), or a comma list of hd,tah,moe")
-    ap.add_argument("--preset", choices=sorted(PRESETS), help="default: gpu with CUDA, cpu without")
-    ap.add_argument("--smoke", action="store_true", help="every suite's code path, tiny and fast")
-    ap.add_argument("--data", help="train the HD and MoE suites on this text file instead of Shakespeare")
-    ap.add_argument("--seeds", type=int, help="seeds per arm (default: the preset's)")
-    ap.add_argument("--iters", type=int, help="steps per arm (default: the preset's)")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--suite", default="headline", metavar="{headline,all,hd,tah,moe,...}",
+                    help="headline: the HD and TaH demonstrations; all: every arm of hd, tah and moe; or a comma "
+                         "list of hd,tah,moe")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="the budget; default: gpu with CUDA, cpu without")
+    ap.add_argument("--smoke", action="store_true", help="every suite's code path, tiny and fast (its own preset)")
+    ap.add_argument("--data", help="train the HD and MoE suites on this UTF-8 text file instead of Shakespeare")
     ap.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-steps")
-    ap.add_argument("--muon", action="store_true", help="Muon for 2-D weights in the blocks")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the models (CUDA or CPU; on CPU it only checks the compile path)")
+    ap.add_argument("--muon", action="store_true", help="Muon for 2-D weights in the blocks, AdamW for the rest")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the models (CUDA or CPU; on CPU it only checks the compile path)")
     ap.add_argument("--out", default="out", help="folder for results, checkpoints and the token cache")
-    ap.add_argument("--log-every", type=int, default=50)
-    ap.add_argument("--ckpt-every", type=int, default=50)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--log-every", type=int, default=50, help="steps between log lines")
+    ap.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--threads", type=int, default=2,
-                    help="CPU threads (default 2: the README's numbers and timings used 2; float sums, and so "
-                         "the last digits, depend on it)")
+                    help="CPU threads (the README's numbers and timings used 2; float sums, and so the last "
+                         "digits, depend on it)")
     ap.add_argument("--fresh", action="store_true",
                     help="delete this configuration's checkpoints and finished rows first, and train everything again")
     ap.add_argument("--dev", action="store_true",
                     help="evaluate on the dev set instead of the held-out set: for trying things out")
+    preset_flags(ap)
     args = ap.parse_args(argv)
     headline = ["hd", "tah", "moe"] if args.smoke else ["hd", "tah"]  # --smoke: every code path
     names = {"headline": headline, "all": ["hd", "tah", "moe"]}.get(args.suite, args.suite.split(","))
@@ -970,10 +1058,9 @@ def parse(argv):
         ap.error("--out must name a folder")
     if args.data and not any(s in ("hd", "moe") for s in names):
         ap.error("--data feeds the hd and moe suites only; this run has neither")
-    for k in ("seeds", "iters", "accum", "log_every", "ckpt_every", "threads"):
-        v = getattr(args, k)
-        if v is not None and v < 1:
-            ap.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
+    for k in ("accum", "log_every", "ckpt_every", "threads"):
+        if getattr(args, k) < 1:
+            ap.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
     if args.data and not Path(args.data).is_file():
         ap.error(f"--data {args.data}: no such file" + (" (it is a folder)" if Path(args.data).is_dir() else ""))
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
@@ -983,8 +1070,14 @@ def parse(argv):
             ap.error(f"--device {args.device}: CUDA is not available")
         if ":" in args.device and int(args.device.split(":")[1]) >= torch.cuda.device_count():
             ap.error(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s)")
+    args.preset_name = "smoke" if args.smoke else args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")
+    P = PRESETS[args.preset_name]
+    args.P = replace(P, **{f.name: getattr(args, f.name) for f in fields(Preset) if hasattr(args, f.name)})
+    problem = check_preset(args.P)
+    if problem:
+        ap.error(problem)
     args.suites = names
-    args.full = args.suite == "all"
+    args.every_arm = args.suite == "all" or args.smoke
     args.eval_split, args.eval_seed = ("dev", 104729) if args.dev else ("val", 7919)
     return args
 
@@ -996,9 +1089,7 @@ def main(argv=None):
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-    P = PRESETS["smoke" if args.smoke else args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")]
-    P = replace(P, **{k: getattr(args, k) for k in ("seeds", "iters") if getattr(args, k)})
-    out = Path(args.out)
+    P, out = args.P, Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write_test_{os.getpid()}"
@@ -1009,60 +1100,71 @@ def main(argv=None):
     torch.set_float32_matmul_precision("high")
     torch.set_num_threads(args.threads)
     text = load_text(args, P, out)
-    arith = Arith(P.digits)
-    log(f"preset {'smoke' if args.smoke else args.preset or 'auto'}: {P}")
+    log(f"preset {args.preset_name}: {P}")
     if text is not None:
         log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}")
-    code = [hashlib.sha256((HERE / f).read_bytes()).hexdigest() for f in ("moe.py", "hd.py", "tah.py", "train_tiny.py")]
-    data_key = hashlib.sha256(text.tokens.tobytes()).hexdigest() if text is not None else None
-    key = hashlib.sha256(json.dumps([asdict(P), args.muon, args.accum, args.device, args.threads, args.dev, data_key,
-                                     code, args.full or args.smoke]).encode()).hexdigest()[:10]
-    args.run_dir = out / f"run-{key}"  # checkpoints and finished rows of this exact configuration
-    if args.fresh and MASTER and args.run_dir.exists():
-        shutil.rmtree(args.run_dir)
-    args.run_dir.mkdir(exist_ok=True)
-    for tmp in args.run_dir.rglob("*.tmp"):  # left by a run killed mid-write
-        tmp.unlink(missing_ok=True)
-    rows_path = args.run_dir / "rows.json"
-    try:
-        rows = json.loads(rows_path.read_text()) if rows_path.exists() else []
-    except ValueError:
-        raise SystemExit(f"error: {rows_path} is damaged; delete it (the checkpoints beside it are reused), "
-                         f"or run with --fresh")
+    rows_path = open_run(args, P, text, out)
+    rows = load_rows(rows_path)
     done = {(r["suite"], r["seed"]) for r in rows}
     t0 = time.time()
     todo = [(suite, seed) for suite in args.suites for seed in range(P.seeds) if (suite, seed) not in done]
-    PROGRESS.total = sum(planned_steps(P, suite, args.full or args.smoke) for suite, _ in todo)
-    PROGRESS.arms = sum(planned_arms(suite, args.full or args.smoke) for suite, _ in todo)
+    PROGRESS.total = sum(planned_steps(P, suite, args.every_arm) for suite, _ in todo)
+    PROGRESS.arms = sum(planned_arms(suite, args.every_arm) for suite, _ in todo)
+    data = {"hd": text, "moe": text, "tah": Arith(P.digits)}
     for suite in args.suites:
         for seed in range(P.seeds):
             if (suite, seed) in done:
                 log(f"{suite} seed {seed}: already done, skipped")
                 continue
-            data = arith if suite == "tah" else text
-            new = SUITES[suite](P, args, seed, data, args.full or args.smoke)
-            for r in new:
-                r["suite"] = suite
-            rows += new
+            rows += [{**r, "suite": suite} for r in SUITES[suite](P, args, seed, data[suite], args.every_arm)]
             if MASTER:
                 atomic(rows_path, lambda f: f.write(json.dumps(rows, indent=1).encode()))
+    if MASTER:
+        report(rows, args, P, out, argv, time.time() - t0)
+    if DDP:
+        dist.destroy_process_group()
+
+
+def open_run(args, P, text, out):
+    """The folder of this exact configuration (preset, flags, data, code), where checkpoints and
+    finished rows live; returns the path of its rows file."""
+    code = [hashlib.sha256((HERE / f).read_bytes()).hexdigest() for f in ("moe.py", "hd.py", "tah.py", "train_tiny.py")]
+    data_key = hashlib.sha256(text.tokens.tobytes()).hexdigest() if text is not None else None
+    key = hashlib.sha256(json.dumps([asdict(P), args.muon, args.accum, args.device, args.threads, args.dev, data_key,
+                                     code, args.every_arm]).encode()).hexdigest()[:10]
+    args.run_dir = out / f"run-{key}"
+    if args.fresh and MASTER and args.run_dir.exists():
+        shutil.rmtree(args.run_dir)
+    args.run_dir.mkdir(exist_ok=True)
+    for tmp in args.run_dir.rglob("*.tmp"):  # left by a run killed mid-write
+        tmp.unlink(missing_ok=True)
+    return args.run_dir / "rows.json"
+
+
+def load_rows(path):
+    try:
+        return json.loads(path.read_text()) if path.exists() else []
+    except ValueError:
+        raise SystemExit(f"error: {path} is damaged; delete it (the checkpoints beside it are reused), "
+                         f"or run with --fresh")
+
+
+def report(rows, args, P, out, argv, seconds):
+    """results.md / results.json (and plots with matplotlib) from the rows alone."""
     summary, verdicts = summarize(rows), judge(rows)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"CPU ({os.cpu_count()} cores, {args.threads} threads)"
     command = " ".join(["python train_tiny.py"] + (sys.argv[1:] if argv is None else argv))
     header = (f"Measured by `{command}` on {dev}, "
               f"{P.seeds} seed(s), evaluated on the {'dev' if args.dev else 'held-out'} set; "
-              f"{time.time() - t0:.0f} s for this invocation.")
+              f"{seconds:.0f} s for this invocation.")
     md = table(summary, verdicts, header)
-    if MASTER:
-        atomic(out / "results.md", lambda f: f.write((md + "\n").encode()))
-        atomic(out / "results.json", lambda f: f.write(json.dumps(
-            {"preset": asdict(P), "device": dev, "eval_set": args.eval_split, "rule": RULE, "summary": summary,
-             "verdicts": verdicts}, indent=1).encode()))
-        png = [p for p in (plot(args.run_dir, out), plot_sweep(summary, out)) if p]
-        log("\n" + md + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in png))
-    if DDP:
-        dist.destroy_process_group()
+    atomic(out / "results.md", lambda f: f.write((md + "\n").encode()))
+    atomic(out / "results.json", lambda f: f.write(json.dumps(
+        {"preset": asdict(P), "device": dev, "eval_set": args.eval_split, "rule": RULE, "summary": summary,
+         "verdicts": verdicts}, indent=1).encode()))
+    png = [p for p in (plot(args.run_dir, out), plot_sweep(summary, out)) if p]
+    log("\n" + md + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in png))
 
 
 if __name__ == "__main__":
