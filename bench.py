@@ -3,6 +3,7 @@ What each mechanism costs, as ratios measured side by side in one run.
 
     python bench.py           # a few minutes on CPU; CUDA sections run when a GPU is present
     python bench.py --quick   # everything small, in seconds (CI runs this)
+    python bench.py --cuda    # only HD serving on CUDA and the CUDA section (see gpu_check.sh)
 
 Every table times its arms round-robin (arm A, arm B, ..., then again) and reports medians,
 so a noisy shared machine slows all arms alike; read the ratio columns, not the milliseconds.
@@ -242,7 +243,7 @@ def hd_decode(model, B, prompt, steps, device):
     return run
 
 
-def hd_serving(prompts, batches, device, repeats, steps, n=4):
+def hd_serving(prompts, batches, device, repeats, steps, n=4, width=64):
     """HD decode throughput relative to n = 1 (HD §4.5, Figure 5), over batch x prompt length,
     for the stream-factorized layout and all-full; then the KV cache each layout keeps."""
     arms = {"n=1": (1, "IIFLII", None), f"n={n} SFA (IIFLII)": (n, "IIFLII", False),
@@ -250,7 +251,8 @@ def hd_serving(prompts, batches, device, repeats, steps, n=4):
     models = {}
     for name, (streams, layout, skip) in arms.items():
         torch.manual_seed(0)
-        cfg = hd_cfg(streams, layout, max(prompts.values()) + steps + 1, mirror_skip=skip)
+        cfg = hd_cfg(streams, layout, max(prompts.values()) + steps + 1, mirror_skip=skip, n_embd=width,
+                     head_dim=width // 4, expert_hidden=width)
         models[name] = HiddenDecoding(cfg).to(device).eval()
     rows = []
     for B in batches:
@@ -259,11 +261,11 @@ def hd_serving(prompts, batches, device, repeats, steps, n=4):
             base = t["n=1"]
             rows.append([B, f"{bucket} ({P})", f"{B * steps / base:.0f}"]
                         + [f"{base / t[k]:.0%}" for k in list(arms)[1:]] + [PAPER_FIG5.get((B, bucket), "-")])
-    show(f"4. HD serving: decode tokens/s of n={n} as % of n=1, 6-layer MoE width 64, cached decoding of {steps} "
+    show(f"4. HD serving: decode tokens/s of n={n} as % of n=1, 6-layer MoE width {width}, cached decoding of {steps} "
          "tokens after the prompt (paper: WeLM-HD4-80B, HD Figure 5; excludes the KV-mirror skip)", rows,
          ["batch", "prompt (tokens)", "n=1 tokens/s"] + [k.replace(f"n={n} ", "") for k in list(arms)[1:]] + ["paper, HD4"])
     T = max(prompts.values())
-    cfg = hd_cfg(n, "IIFLII", T)
+    cfg = hd_cfg(n, "IIFLII", T, n_embd=width, head_dim=width // 4, expert_hidden=width)
     per_row = 2 * cfg.n_kv_head * cfg.head_dim  # K and V elements of one row in one layer
     kv_rows = []
     for name, streams, layout in [("n=1", 1, "IIFLII"), (f"n={n} SFA (IIFLII)", n, "IIFLII"),
@@ -310,7 +312,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="cost of each mechanism, as measured ratios")
     ap.add_argument("--quick", action="store_true", help="small sizes, seconds (CI)")
     ap.add_argument("--repeats", type=int, help="timed repeats per arm (median)")
+    ap.add_argument("--cuda", action="store_true",
+                    help="only the sections a GPU answers: HD serving on CUDA and the CUDA section (gpu_check.sh)")
     args = ap.parse_args(argv)
+    if args.cuda and not torch.cuda.is_available():
+        ap.error("--cuda needs a CUDA GPU")
     if args.repeats is not None and args.repeats < 1:
         ap.error("--repeats must be >= 1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -318,6 +324,10 @@ def main(argv=None):
     dev = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"# bench.py{' --quick' if args.quick else ''} on {dev}, torch {torch.__version__}, median of {rep}")
     q = args.quick
+    if args.cuda:
+        hd_serving({"short": 64, "long": 2048}, (1, 4, 16, 64), device, rep, steps=16, width=512)
+        cuda_section(1024 if q else 8192, rep)
+        return
     attention_by_mask(64 if q else 512, [1, 2, 4] if q else [1, 2, 4, 8], device, rep)
     hd_steps(16 if q else 128, [1, 2, 4] if q else [1, 2, 4, 8], device, rep)
     mirror_skip(16 if q else 128, 4, device, rep, widths=(32,) if q else (64, 256))

@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from moe import ModelConfig, Transformer, cached_generate, check_tokens, dense_mask, upcast
+from moe import ModelConfig, Transformer, attend, cached_generate, check_tokens, dense_mask, upcast
 
 # -----------------------------------------------------------------------------
 # Config
@@ -157,13 +157,48 @@ def unfold(x, n):
     return x.view(Bn // n, n, L, *x.shape[2:]).transpose(1, 2).reshape(Bn // n, L * n, *x.shape[2:])
 
 
+class OwnStream:
+    """Intra-stream attention in cached decoding: each new row reads only its own stream's rows
+    of the cache. The cache interleaves every stream's rows (t = i*n + k), so they are regrouped
+    by stream and each query meets S keys (the S tokens so far) instead of n*S keys under a mask
+    that discards (n-1)/n of them. Passed to attend in place of a mask. final_only: the queries
+    are final-stream rows only (the KV-mirror skip)."""
+
+    def __init__(self, n, final_only):
+        self.n, self.final_only = n, final_only
+
+    def __call__(self, q, k, v):
+        n, B = self.n, q.size(0)
+        S = k.size(2) // n  # tokens with rows in the cache, the new ones included
+        Lq = q.size(2) if self.final_only else q.size(2) // n  # new tokens
+        # new token j is token S - Lq + j: it sees tokens <= itself (all of them when Lq = 1)
+        mask = None if Lq == 1 else torch.arange(S, device=q.device) <= torch.arange(S - Lq, S, device=q.device)[:, None]
+        if self.final_only:
+            return attend(q, k[:, :, n - 1::n], v[:, :, n - 1::n], mask)
+        by_stream = lambda x: x.unflatten(2, (-1, n)).movedim(3, 1).flatten(0, 1)  # (B, h, T*n, d) -> (B*n, h, T, d)
+        y = attend(by_stream(q), by_stream(k), by_stream(v), mask)
+        return y.unflatten(0, (B, n)).movedim(1, 3).flatten(2, 3)
+
+
+class Recent:
+    """Sliding-window (L) attention in cached decoding: only the cache rows some new row can
+    still reach are read (from `window` - 1 rows before the first new row on), not all of them."""
+
+    def __init__(self, mask_mod, q_t, first_new, window):
+        self.mask_mod, self.q_t, self.first = mask_mod, q_t, max(0, first_new - window + 1)
+
+    def __call__(self, q, k, v):
+        t_kv = torch.arange(self.first, k.size(2), device=q.device)
+        return attend(q, k[:, :, self.first:], v[:, :, self.first:], dense_mask(self.mask_mod, self.q_t, t_kv))
+
+
 class Rows:
     """The rows of one forward: expanded indices t of the new rows (after `start` cached ones),
     of every key row, their RoPE positions, the final-stream rows among the new ones, and the
     masks of each layer (BlockMasks built once per forward, shared by layers of one type)."""
 
     def __init__(self, cfg, start, L, device):
-        self.cfg, self.device, n = cfg, device, cfg.n_streams
+        self.cfg, self.device, self.start, n = cfg, device, start, cfg.n_streams
         self.t = torch.arange(start, start + L * n, device=device)  # expanded indices of the new rows
         self.t_kv = torch.arange(start + L * n, device=device)  # every row the keys may come from
         self.pos = self.t if cfg.positions == "expanded" else self.t // n
@@ -176,6 +211,8 @@ class Rows:
         cfg, mod = self.cfg, layer_mask(self.cfg, i)
         q_t = self.t[self.final] if final_only else self.t
         use_flex = cfg.attn_impl == "flex" or (cfg.attn_impl == "fast" and self.device.type == "cuda")
+        if cached and cfg.layout[i] == "L" and cfg.attn_impl == "fast":
+            return Recent(mod, q_t, self.start, cfg.window)
         if cached or not use_flex:
             return dense_mask(mod, q_t, self.t_kv)
         key = (cfg.layout[i], final_only)
@@ -205,8 +242,7 @@ class HiddenDecoding(nn.Module):
         return rows.flatten(1, 2)
 
     # Which attention path serves which layer. Every path equals the dense reference (the
-    # mask_mod evaluated as a boolean matrix); test_hd.py checks each against it. Cached
-    # decoding always uses the dense mask.
+    # mask_mod evaluated as a boolean matrix); test_hd.py checks each against it.
     #
     #   layer                 attn_impl "fast"                              "dense"      "flex"
     #   F                     SDPA's causal kernel                          dense mask   BlockMask
@@ -215,6 +251,9 @@ class HiddenDecoding(nn.Module):
     #   mirrored, under the KV-mirror skip (queries: final-stream rows; keys: every row's K/V):
     #   I                     causal SDPA over the final stream's own rows  dense mask   BlockMask
     #   F, L, shared-KV I     BlockMask on CUDA, dense mask on CPU          dense mask   BlockMask
+    #
+    # Cached decoding: dense masks, except with attn_impl "fast", where I layers read only their
+    # own stream's cached rows (OwnStream) and L layers only the rows their window reaches (Recent).
     #
     # The skip (HD §3.1): mirrored layers are the last n_layer // 3 (moe.py), so from the first
     # of them on only the final-stream rows are carried; their K/V still come from every row of
@@ -236,22 +275,23 @@ class HiddenDecoding(nn.Module):
 
         def layer(i, block, x, kv_u):
             cache = None if caches is None else caches[i]
-            plain_intra = cfg.layout[i] == "I" and not cfg.shared_kv and fast
+            intra = cfg.layout[i] == "I" and not cfg.shared_kv and cfg.attn_impl == "fast"
             if i == self.skip_from():
                 x = x[:, rows.final]  # from here on: final-stream rows only
             if self.skip_from() is not None and i >= self.skip_from():
-                if plain_intra:  # the final stream attends to itself only: causal over its own rows
+                if intra and cache is None:  # the final stream attends to itself only: causal over its own rows
                     return block(x, rows.pos[rows.final], "causal", kv_u=kv_u[:, rows.final],
                                  kv_pos=rows.pos[rows.final])
-                return block(x, rows.pos[rows.final], rows.mask(i, final_only=True, cached=caches is not None),
-                             kv_u=kv_u, kv_pos=rows.pos, cache=cache)
+                mask = OwnStream(n, final_only=True) if intra else rows.mask(i, True, cached=cache is not None)
+                return block(x, rows.pos[rows.final], mask, kv_u=kv_u, kv_pos=rows.pos, cache=cache)
             if cfg.layout[i] == "F" and fast:
                 return block(x, rows.pos, "causal", kv_u=kv_u)  # M^full is plain causal: SDPA's kernel
-            if plain_intra:
+            if intra and cache is None:
                 x_f, u_f = block(fold(x, n), fold(rows.pos.expand(B, -1), n), "causal",
                                  kv_u=None if kv_u is None else fold(kv_u, n))
                 return unfold(x_f, n), unfold(u_f, n)
-            return block(x, rows.pos, rows.mask(i, final_only=False, cached=caches is not None), kv_u=kv_u, cache=cache)
+            mask = OwnStream(n, final_only=False) if intra else rows.mask(i, False, cached=cache is not None)
+            return block(x, rows.pos, mask, kv_u=kv_u, cache=cache)
 
         return self.backbone.run_blocks(self.embed(idx), layer)
 

@@ -220,8 +220,11 @@ def attend(q, k, v, mask):
 
     mask: "causal" (Tq == Tk, SDPA's own causal kernel: FlashAttention on CUDA), a boolean
     tensor broadcastable to (B, H, Tq, Tk), or a flex_attention BlockMask. Rows that see no
-    key give 0 on every path.
+    key give 0 on every path. A caller with a structure SDPA cannot see (hd.py's per-stream
+    decoding) passes a function (q, k, v) -> output instead, which calls attend itself.
     """
+    if callable(mask) and not isinstance(mask, BlockMask):
+        return mask(q, k, v)
     gqa = q.size(1) != k.size(1)
     if isinstance(mask, BlockMask):
         global _flex_compiled

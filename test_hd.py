@@ -267,11 +267,11 @@ def test_expansion_from_an_n1_backbone_checkpoint():
 
 @FAST
 @given(model=hd_models(), T=st.integers(1, 6), steps=st.lists(st.integers(1, 3), min_size=1, max_size=4),
-       shared=st.booleans())
-def test_cached_decoding_equals_the_full_forward(model, T, steps, shared):
+       shared=st.booleans(), B=st.sampled_from([1, 2, 4, 16, 64]))  # bench.py decodes batches 1, 4, 16, 64
+def test_cached_decoding_equals_the_full_forward(model, T, steps, shared, B):
     if shared and "I" in model.cfg.layout:
         model = twin(model, shared_kv=True)
-    idx = torch.randint(model.cfg.vocab_size, (2, T + sum(steps)))
+    idx = torch.randint(model.cfg.vocab_size, (B, T + sum(steps)))
     caches = [KVCache() for _ in model.backbone.blocks]
     with torch.no_grad():
         got, _ = model(idx[:, :T], caches=caches)
@@ -315,14 +315,19 @@ def test_compiled_flex_forward_on_cpu_equals_dense_for_every_mask():
         torch.testing.assert_close(compiled(q, k, v, block_mask=bm, enable_gqa=True), ref, atol=1e-5, rtol=1e-5)
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flex backward, compiled model)")
+def cuda(test):
+    """CUDA-only: collected everywhere, skipped (and listed with its reason) without a GPU;
+    `python -m pytest -m cuda` runs just these (gpu_check.sh)."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 @cuda
-@pytest.mark.parametrize("layout", ["FLI", "IIF", "LLL"])
-def test_cuda_flex_forward_and_backward_equal_dense(layout):
+@pytest.mark.parametrize("layout, shared", [("FLI", False), ("IIF", False), ("LLL", False), ("IFI", True)])
+def test_cuda_flex_forward_and_backward_equal_dense(layout, shared):
+    """Every mask as a flex BlockMask (L and shared-KV I on the fast path; F and L and shared I
+    as the mirrored last layer under the skip, through on_final_rows) against the dense path."""
     torch.manual_seed(0)
-    model = HiddenDecoding(hd_cfg(n_streams=4, layout=layout, window=5, kv_mirror=True)).cuda()
+    model = HiddenDecoding(hd_cfg(n_streams=4, layout=layout, window=5, kv_mirror=True, shared_kv=shared)).cuda()
     ref = twin(model, attn_impl="dense").cuda()
     idx = torch.randint(61, (2, 20), device="cuda")
     a, la = model(idx[:, :-1], idx[:, 1:])
@@ -333,6 +338,27 @@ def test_cuda_flex_forward_and_backward_equal_dense(layout):
     for p, q in zip(model.parameters(), ref.parameters()):
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
+
+
+@cuda
+def test_cuda_bf16_training_step_follows_float32():
+    """What train_tiny does on CUDA: autocast bf16 forward (flex BlockMasks, grouped-matmul
+    experts), float32 loss, finite gradients, and an AdamW step that lowers the loss."""
+    torch.manual_seed(0)
+    model = HiddenDecoding(hd_cfg(n_streams=4, layout="IFL", window=5)).cuda()
+    idx = torch.randint(61, (4, 33), device="cuda")
+    with torch.no_grad():
+        ref = model(idx[:, :-1], idx[:, 1:])[1]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = model(idx[:, :-1], idx[:, 1:])[1]
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, atol=3e-2, rtol=1e-2)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    opt.step()
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+        assert model(idx[:, :-1], idx[:, 1:])[1] < loss
 
 
 @cuda

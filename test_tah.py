@@ -406,9 +406,14 @@ def test_flex_forward_on_cpu_equals_dense(seed, T, max_depth):
                                    model(idx, mode="oracle", depths=depths).logits, atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flex backward)")
+def cuda(test):
+    """CUDA-only: collected everywhere, skipped (with its reason) without a GPU."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
+@cuda
 def test_cuda_flex_forward_and_backward_equal_dense():
-    model = make(0, max_depth=3).cuda()
+    model = make(0, max_depth=3).float().cuda()  # float32: the compiled flex kernels
     flex = twin(model, attn_impl="flex").cuda()
     idx = torch.randint(53, (2, 20), device="cuda")
     depths = torch.randint(1, 4, (2, 19), device="cuda")

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything that needs a CUDA GPU, in one command (budget: under 10 minutes on one H100/H200):
+#   1. the CUDA tests (python -m pytest -m cuda): flex_attention forward and backward equal to
+#      the dense reference for every HD mask (also under the KV-mirror skip) and for TaH's
+#      duo-causal mask, a bf16 training step, the compiled model equal to eager;
+#   2. bench.py --cuda: HD serving (decode throughput of n=4 vs n=1, HD Figure 5) at width 512,
+#      flex_attention vs SDPA, the compiled HD model vs eager.
+# Writes out/gpu_check.md (and prints it).
+set -uo pipefail
+cd "$(dirname "$0")"
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check.sh: no CUDA GPU here (torch.cuda.is_available() is False)" >&2
+    exit 1
+fi
+mkdir -p out
+report=out/gpu_check.md
+{
+    echo "# gpu_check.sh on $(python -c 'import torch; print(torch.cuda.get_device_name(), "torch", torch.__version__)'), $(date -u '+%F %H:%M UTC')"
+    echo
+    echo "## CUDA tests: python -m pytest -q -m cuda"
+    echo '```'
+    timeout 300 python -m pytest -q -m cuda 2>&1 | tail -40
+    echo "exit status: ${PIPESTATUS[0]}"
+    echo '```'
+    echo
+    echo "## python bench.py --cuda"
+    timeout 270 python bench.py --cuda 2>&1
+    echo "exit status: $?"
+} > "$report" 2>&1
+cat "$report"
