@@ -248,6 +248,10 @@ def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the
     (["--smoke", "--preset", "cpu"], "not both"),
     (["--out", ""], "--out must name a folder"),
     (["--threads", "0"], "--threads"),
+    (["--lr=nan"], "--lr must be a finite number"),
+    (["--n_layer=0"], "--n_layer must be >= 1"),
+    (["--layout=IIF"], "builds no valid model: layout"),
+    (["--n_layer=2.5"], "invalid int value"),
 ])
 def test_bad_arguments_exit_with_one_clear_message(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
@@ -411,3 +415,10 @@ def test_flops_per_token_counts_active_experts_and_expanded_rows():
     assert tt.flops_per_token(m1, T) == pytest.approx(6 * (dense + routed / 4) + attention)
     hd = tt.HiddenDecoding(tt.HDConfig(**base, top_k=1, n_streams=2, layout="IFL"))
     assert tt.flops_per_token(hd, T) == pytest.approx(2 * (6 * (dense + routed / 4) + 2 * attention))
+
+
+def test_preset_fields_are_flags_the_nanogpt_way():
+    args = tt.parse(["--n_layer=4", "--layout=IIFL", "--plays=macbeth,hamlet", "--lr", "0.01", "--seeds=1"])
+    assert (args.P.n_layer, args.P.layout, args.P.plays, args.P.lr, args.P.seeds) == (4, "IIFL", ("macbeth", "hamlet"), 0.01, 1)
+    assert args.P.n_embd == tt.PRESETS["cpu"].n_embd  # the rest from the preset
+    assert tt.parse(["--smoke", "--iters=7"]).P == tt.replace(tt.PRESETS["smoke"], iters=7)
