@@ -158,8 +158,8 @@ def unfold(x, n):
 
 
 class OwnStream:
-    """Intra-stream attention in cached decoding: each new row reads only its own stream's rows
-    of the cache. The cache interleaves every stream's rows (t = i*n + k), so they are regrouped
+    """Intra-stream attention in cached decoding (HD §3.2): each new row reads only its own
+    stream's rows of the cache. The cache interleaves every stream's rows (t = i*n + k), so they are regrouped
     by stream and each query meets S keys (the S tokens so far) instead of n*S keys under a mask
     that discards (n-1)/n of them. Passed to attend in place of a mask. final_only: the queries
     are final-stream rows only (the KV-mirror skip)."""
@@ -168,16 +168,16 @@ class OwnStream:
         self.n, self.final_only = n, final_only
 
     def __call__(self, q, k, v):
-        n, B = self.n, q.size(0)
+        n = self.n
         S = k.size(2) // n  # tokens with rows in the cache, the new ones included
         Lq = q.size(2) if self.final_only else q.size(2) // n  # new tokens
         # new token j is token S - Lq + j: it sees tokens <= itself (all of them when Lq = 1)
         mask = None if Lq == 1 else torch.arange(S, device=q.device) <= torch.arange(S - Lq, S, device=q.device)[:, None]
         if self.final_only:
             return attend(q, k[:, :, n - 1::n], v[:, :, n - 1::n], mask)
-        by_stream = lambda x: x.unflatten(2, (-1, n)).movedim(3, 1).flatten(0, 1)  # (B, h, T*n, d) -> (B*n, h, T, d)
+        by_stream = lambda x: fold(x.transpose(1, 2), n).transpose(1, 2)  # (B, h, T*n, d) -> (B*n, h, T, d)
         y = attend(by_stream(q), by_stream(k), by_stream(v), mask)
-        return y.unflatten(0, (B, n)).movedim(1, 3).flatten(2, 3)
+        return unfold(y.transpose(1, 2), n).transpose(1, 2)
 
 
 class Recent:
@@ -272,13 +272,14 @@ class HiddenDecoding(nn.Module):
             raise ValueError(f"sequence of {start // n + L} tokens exceeds block_size={cfg.block_size}")
         rows = Rows(cfg, start, L, idx.device)
         fast = cfg.attn_impl == "fast" and caches is None
+        skip = self.skip_from()
 
         def layer(i, block, x, kv_u):
             cache = None if caches is None else caches[i]
             intra = cfg.layout[i] == "I" and not cfg.shared_kv and cfg.attn_impl == "fast"
-            if i == self.skip_from():
+            if i == skip:
                 x = x[:, rows.final]  # from here on: final-stream rows only
-            if self.skip_from() is not None and i >= self.skip_from():
+            if skip is not None and i >= skip:
                 if intra and cache is None:  # the final stream attends to itself only: causal over its own rows
                     return block(x, rows.pos[rows.final], "causal", kv_u=kv_u[:, rows.final],
                                  kv_pos=rows.pos[rows.final])
