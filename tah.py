@@ -50,7 +50,10 @@ class TaHConfig(ModelConfig):
     logit_topk:     logits kept for the next-iteration input and the decider (paper: 100); not
                     the MoE's top_k (routed experts per token).
     threshold:      decider continues a token iff sigmoid(score) > threshold (paper: 0.9).
-    decider_layers: blocks whose output states feed the decider; () = first, middle, last.
+    decider_layers: hidden states that feed the decider, indexed as the authors' code indexes
+                    them: 0 is the pass's input (the embedding at depth 0), l the output of
+                    block l - 1, n_layer the last block's; () = (0, n_layer // 2, n_layer),
+                    the input, a middle and the final state (duplicates dropped).
     decider_hidden: width of the decider MLP.
     attention:      "duo" (Eq. 5), or the ablations "first_depth" (every depth reads depth-0
                     keys only, the paper's Table 2 alternative) and "depth_local" (each depth
@@ -87,10 +90,11 @@ class TaHConfig(ModelConfig):
             raise ValueError(f"logit_topk must be in [1, vocab_size={self.vocab_size}], got {self.logit_topk}")
         if not 0.0 < self.threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
-        self.decider_layers = tuple(self.decider_layers) or (0, self.n_layer // 2, self.n_layer - 1)
-        bad = [l for l in self.decider_layers if isinstance(l, bool) or not isinstance(l, int) or not 0 <= l < self.n_layer]
+        self.decider_layers = tuple(self.decider_layers) or tuple(dict.fromkeys((0, self.n_layer // 2, self.n_layer)))
+        bad = [l for l in self.decider_layers if isinstance(l, bool) or not isinstance(l, int) or not 0 <= l <= self.n_layer]
         if bad:
-            raise ValueError(f"decider_layers must be block indices in [0, n_layer={self.n_layer}), got {bad}")
+            raise ValueError(f"decider_layers must be hidden-state indices in [0, n_layer={self.n_layer}] "
+                             f"(0: the pass's input), got {bad}")
         if self.decider_hidden < 1:
             raise ValueError(f"decider_hidden must be >= 1, got {self.decider_hidden}")
         if self.attention not in ("duo", "first_depth", "depth_local"):
@@ -350,12 +354,11 @@ class ThinkAtHard(nn.Module):
             mask = create_block_mask(mod, B, None, Tq, cache.pos.size(1), device=x.device)
         else:
             mask = dense_batch_mask(mod, B, Tq, cache.pos.size(1), x.device)
-        kept = {}
+        kept = {0: x}  # hidden states as the authors index them: 0 the input, i + 1 block i's output
 
         def layer(i, block, x, kv_u):
             x, u = block(x, q_pos, mask, kv_u=kv_u, cache=cache.layers[i])
-            if i in cfg.decider_layers:
-                kept[i] = x
+            kept[i + 1] = x
             return x, u
         self.set_lora(d >= 1)  # Eq. 6: theta at depth 0, theta + Delta deeper
         try:
@@ -393,20 +396,27 @@ class ThinkAtHard(nn.Module):
         """Decider BCE (class-weighted) on the oracle's continuation labels, backbone frozen.
 
         The decision after pass d (0-based) of token i has label c = 1[D_i > d + 1]; decisions
-        exist for d < min(max_depth - 1, D_i). pos_weight (continue-class weight) defaults to
-        #stop / #continue over the batch, the paper's occurrence ratio.
+        exist for d < min(max_depth - 1, D_i). The continue class is weighted by pos_weight:
+        None (default) takes the paper's w^(d), #stop / #continue among the batch's decisions
+        after pass d, one weight per depth (§4.3); a number fixes it for every depth and batch,
+        as the authors' code does (about #stop / #continue of their data set: 4.8 and 5.4).
+        Returns (mean loss over decisions, scores, labels).
         """
+        if self.cfg.max_depth < 2:
+            raise ValueError("stage2_loss needs max_depth >= 2: with one pass there is no decision to learn")
         with torch.no_grad():  # gradient reaches the decider only
             out = self(idx, mode="oracle", depths=depths, features=True)
-        scores, labels = [], []
+        scores, labels, weights = [], [], []
         for p in out.passes[:self.cfg.max_depth - 1]:
-            scores.append(self.decider(p.features.rows(p.valid)))
-            labels.append((depths.gather(1, p.sel)[p.valid] > p.depth + 1).float())
-        scores = torch.cat(scores)
-        labels = torch.cat(labels).to(scores.dtype)
-        if pos_weight is None:
-            pos_weight = (labels == 0).sum().clamp(min=1) / (labels == 1).sum().clamp(min=1)
-        loss = F.binary_cross_entropy_with_logits(scores, labels, pos_weight=torch.as_tensor(pos_weight).to(scores))
+            s = self.decider(p.features.rows(p.valid))
+            c = (depths.gather(1, p.sel)[p.valid] > p.depth + 1).to(s.dtype)
+            w = (c == 0).sum().clamp(min=1) / (c == 1).sum().clamp(min=1) if pos_weight is None else pos_weight
+            scores.append(s)
+            labels.append(c)
+            weights.append(torch.where(c == 1, torch.as_tensor(w).to(s), torch.ones_like(s)))
+        scores, labels, weights = torch.cat(scores), torch.cat(labels), torch.cat(weights)
+        # BCE-with-logits where only the continue term carries the weight: w c log s + (1 - c) log(1 - s)
+        loss = -(weights * labels * F.logsigmoid(scores) + (1 - labels) * F.logsigmoid(-scores)).mean()
         return loss, scores, labels
 
     @torch.no_grad()
@@ -436,23 +446,31 @@ class ThinkAtHard(nn.Module):
 # Oracle labels (§4.3 Eq. 7; App. A.2.1 for max_depth > 2)
 
 
-def oracle_depths(ref_logits, targets, max_depth):
+def oracle_depths(ref_logits, targets, max_depth, response=None):
     """Passes per token from a reference model: 1 if its top-1 prediction is the target, else
-    deeper. max_depth == 2: hard tokens get 2 (Eq. 7). max_depth > 2: hard tokens are split
-    into max_depth - 1 equal-count bins by reference CE, higher CE deeper (the authors'
-    original quantile binning). Targets of -1 (ignored) count as easy."""
+    deeper. Only positions with a target (not -1) whose input token is in the response
+    (response (B, T) bool; None: every position) can be hard: the authors label prompt tokens
+    easy, including the last one, which predicts the first response token. max_depth == 2:
+    hard tokens get 2 (Eq. 7). max_depth > 2: within each sample, the hard tokens sorted by
+    reference CE, highest first, are cut into max_depth - 1 bins of equal size, the first bins
+    one larger when the count does not divide (the authors' original quantile binning, App.
+    A.2.1): bin k runs max_depth - k passes, so higher CE goes deeper."""
     hard = (ref_logits.argmax(-1) != targets) & (targets >= 0)
+    if response is not None:
+        hard = hard & response
     depths = torch.ones_like(targets)
     if max_depth == 1 or not hard.any():
         return depths
     if max_depth == 2:
         return depths + hard.long()
     ce = F.cross_entropy(upcast(ref_logits.flatten(0, 1)), targets.flatten().clamp(min=0), reduction="none")
-    ce = ce.view_as(targets)[hard]
-    rank = ce.argsort().argsort()  # 0 = easiest hard token
-    bins = rank * (max_depth - 1) // ce.numel()  # 0 .. max_depth - 2, equal counts
-    depths[hard] = 2 + bins
-    return depths
+    ce = ce.view_as(targets).masked_fill(~hard, float("-inf"))
+    rank = ce.argsort(dim=1, descending=True, stable=True).argsort(dim=1)  # 0 = the sample's highest CE
+    bins = max_depth - 1
+    size, rem = hard.sum(1, keepdim=True) // bins, hard.sum(1, keepdim=True) % bins  # bins 0..rem-1 hold size + 1
+    big = rem * (size + 1)
+    k = torch.where(rank < big, rank // (size + 1), rem + (rank - big) // size.clamp(min=1))
+    return torch.where(hard, max_depth - k, depths)
 
 
 # -----------------------------------------------------------------------------

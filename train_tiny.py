@@ -48,9 +48,10 @@ from tah import TaHConfig, ThinkAtHard, oracle_depths
 
 @dataclass
 class Preset:
-    """One budget for every suite. The HD and MoE suites train the text backbone; the TaH suite
-    trains its own smaller dense model on the addition task (TaH needs a model that is short of
-    compute for its hardest tokens, see suite_tah)."""
+    """One budget for every suite. The HD and MoE suites train the text backbone; the TaH suites
+    train their own small dense models on synthetic tasks (TaH needs a model that is short of
+    depth for its hardest tokens, see suite_tah): in-context lookups (the headline) and
+    addition (the contrast, --suite all)."""
     # text backbone (HD, MoE)
     n_layer: int = 6
     n_embd: int = 64
@@ -70,18 +71,22 @@ class Preset:
     warmup: int = 20
     eval_batches: int = 8
     hd_cont_iters: int = 150  # HD: steps every arm continues from the n=1 checkpoint
-    # TaH (addition task, dense backbone)
+    # TaH: in-context lookups (Lookups) on tah_layers; addition (Arith, --suite all) on add_layers
+    symbols: int = 8
+    queries: int = 5
+    two_hop: float = 0.3
+    tah_layers: int = 1
     digits: int = 4
-    tah_layers: int = 3
+    add_layers: int = 3
     tah_batch: int = 32
     tah_base_iters: int = 700  # the "base" model every TaH arm starts from
     tah_base_lr: float = 2e-3
-    tah_sft_iters: int = 200  # Standard, AlwaysThink and TaH stage 1, each from the base
+    tah_sft_iters: int = 400  # Standard, AlwaysThink and TaH stage 1, each from the base
     tah_sft_lr: float = 1e-3
-    decider_iters: int = 300  # TaH stage 2
+    decider_iters: int = 600  # TaH stage 2
     decider_lr: float = 3e-3
     tah_eval_batches: int = 16
-    seeds: int = 3
+    seeds: int = 5
     plays: tuple = ("macbeth", "hamlet", "othello", "king-lear")
 
 
@@ -90,11 +95,11 @@ PRESETS = {
     "gpu": Preset(n_layer=8, n_embd=192, n_head=18, n_kv_head=3, head_dim=32, n_experts=16, top_k=2,
                   expert_hidden=192, ffn_hidden=576, layout="IIFIILII", window=64, block=128,
                   batch=32, iters=600, lr=2e-3, warmup=50, eval_batches=16, hd_cont_iters=300,
-                  digits=6, tah_layers=4, tah_batch=64, tah_base_iters=1500, tah_sft_iters=500,
-                  decider_iters=600, seeds=3, plays=()),
+                  digits=6, add_layers=4, tah_batch=64, tah_base_iters=1500, tah_sft_iters=800,
+                  decider_iters=1200, seeds=5, plays=()),
     "smoke": Preset(n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8, n_experts=4, expert_hidden=32,
                     ffn_hidden=64, layout="IFL", window=8, block=32, batch=4, iters=4, warmup=2,
-                    eval_batches=1, hd_cont_iters=3, digits=2, tah_layers=3, tah_batch=4,
+                    eval_batches=1, hd_cont_iters=3, symbols=4, queries=2, digits=2, tah_batch=4,
                     tah_base_iters=4, tah_sft_iters=3, decider_iters=3, tah_eval_batches=1, seeds=1,
                     plays=("macbeth",)),
 }
@@ -226,6 +231,7 @@ class Arith:
         self.digits = digits
         self.vocab_size = len(self.VOCAB)
         self.problem_len = 3 * digits + 4
+        self.answers = digits + 1  # targets per problem
 
     def problem(self, a, b):
         n = self.digits
@@ -247,6 +253,65 @@ class Arith:
         answer = (p >= 2 * self.digits + 2) & (p < 3 * self.digits + 3)
         y[:, ~answer] = -1
         return x, y
+
+    def response(self, x):
+        """Positions whose input token is in the response (the answer digits and ';'): the only
+        positions the oracle may mark hard, as the authors' labels. So '=' (the prompt's last
+        token), which predicts the first answer digit, is never hard."""
+        p = torch.arange(x.size(1), device=x.device) % self.problem_len
+        return (p >= 2 * self.digits + 2).expand_as(x)
+
+
+class Lookups:
+    """In-context lookups, the TaH suite's task (see suite_tah for why it has TaH's premise).
+    A problem lists the `symbols` pairs (a, f(a)) of a random cyclic permutation f over all the
+    symbols, one token per pair, in random order; then `queries` queries, each one token naming a
+    symbol x and a hop count h (2 with probability `two_hop`, else 1), followed by its answer
+    f^h(x); then ';'. Only answers are targets. One pass of a one-layer model can follow one
+    link (attend to the pair whose source is x); a second hop needs the first hop's result,
+    which TaH's second pass gets as its input (Eq. 4)."""
+
+    def __init__(self, symbols, queries, two_hop):
+        S = self.symbols = symbols
+        self.queries, self.two_hop = queries, two_hop
+        self.query0, self.answer0, self.sep = S * S, S * S + 2 * S, S * S + 3 * S  # first id of each kind
+        self.vocab_size = self.sep + 1
+        self.problem_len = S + 2 * queries + 1
+        self.answers = queries  # targets per problem
+
+    def pair(self, a, b):
+        return a * self.symbols + b
+
+    def query(self, x, hops):
+        return self.query0 + (hops - 1) * self.symbols + x
+
+    def problems(self, n, gen):
+        """n problems as token rows (n, problem_len)."""
+        S, Q = self.symbols, self.queries
+        cycle = torch.rand(n, S, generator=gen).argsort(1)  # f(cycle[i]) = cycle[i + 1]
+        f = torch.empty_like(cycle).scatter_(1, cycle, cycle.roll(-1, 1))
+        order = torch.rand(n, S, generator=gen).argsort(1)  # the pairs' listing order
+        src = cycle.gather(1, order)
+        pairs = self.pair(src, f.gather(1, src))
+        x = torch.randint(S, (n, Q), generator=gen)
+        hops = 1 + (torch.rand(n, Q, generator=gen) < self.two_hop).long()
+        y = f.gather(1, x)
+        y = torch.where(hops == 2, f.gather(1, y), y)
+        qa = torch.stack([self.query(x, hops), self.answer0 + y], 2).flatten(1)
+        return torch.cat([pairs, qa, torch.full((n, 1), self.sep)], 1)
+
+    def batch(self, split, B, T, gen):
+        k = T // self.problem_len + 1
+        rows = self.problems(B * k, gen).view(B, -1)
+        x, y = rows[:, :T], rows[:, 1:T + 1].clone()
+        is_query = (x >= self.query0) & (x < self.answer0)
+        y[~is_query] = -1
+        return x, y
+
+    def response(self, x):
+        """Positions whose input token is in the response (queries and answers): the only
+        positions the oracle may mark hard (as the authors' labels)."""
+        return (x >= self.query0) & (x < self.sep)
 
 
 def atomic(path, write):
@@ -492,14 +557,33 @@ HD_LAYOUTS = Effect("HD: stream-factorized layouts (n=2, from scratch)",
 HD_OBJECTIVE = Effect("HD: training objective (n=2, from scratch)", "loss: final 1.874 < sum 1.877 < all 1.880 (HD Table 5)")
 HD_KV = Effect("HD: per-stream vs shared KV (n=2, from scratch)",
                "avg: per-stream 64.23 vs shared 63.46 (1 full layer) (HD Table 6)")
-TAH_ROUTING = Effect("TaH: routing (addition, answer digits)",
-                     "Qwen3-1.7B, avg acc: Standard 47.8, AlwaysThink 44.7, TaH 52.8 with ~6% of tokens iterated "
-                     "(TaH Tables 1, 9); AlwaysThink corrupts more than it corrects (Fig. 1b); decider imitates the "
-                     "oracle at ~83% (Fig. 6)")
-TAH_SWEEP = Effect("TaH: decider threshold sweep", "accuracy is robust across thresholds, ~6% iterated at 0.9 (TaH Fig. 4)")
-TAH_DIAG = Effect("TaH: diagnostics", "overthink (false 'continue') costs about twice as much as underthink (TaH Table 10)")
-TAH_ATTENTION = Effect("TaH: duo-causal vs ablations (oracle routing)",
-                       "avg: duo-causal 35.9 vs causal (depth-1 keys) 30.5 (TaH Table 2)")
+
+
+@dataclass(frozen=True)
+class TaHEffects:
+    """The effects of one TaH task (the headline lookups, or the addition contrast)."""
+    routing: Effect
+    sweep: Effect
+    diag: Effect
+    attention: Effect
+
+
+def tah_effects(task):
+    return TaHEffects(
+        Effect(f"TaH: routing ({task})",
+               "Qwen3-1.7B, avg acc: Standard 47.8, AlwaysThink 44.7, TaH 52.8 with ~6% of tokens iterated "
+               "(TaH Tables 1, 9); AlwaysThink corrupts more than it corrects (Fig. 1b); decider imitates the "
+               "oracle at ~83% (Fig. 6)"),
+        Effect(f"TaH: decider threshold sweep ({task})",
+               "accuracy is robust across thresholds, ~6% iterated at 0.9 (TaH Fig. 4)"),
+        Effect(f"TaH: diagnostics ({task})",
+               "overthink (false 'continue') costs about twice as much as underthink (TaH Table 10)"),
+        Effect(f"TaH: duo-causal vs ablations, oracle routing ({task})",
+               "avg: duo-causal 35.9 vs causal (depth-1 keys) 30.5 (TaH Table 2)"))
+
+
+TAH = tah_effects("in-context lookups, answers")
+TAH_ADD = tah_effects("addition, answer digits; the contrast")
 MOE_BALANCE = Effect("MoE: loss-free balancing", "the bias keeps experts balanced without an auxiliary loss (DeepSeek-V3 §2.1.2)")
 MOE_MIRROR = Effect("MoE: KV-Mirror", "WeLM: KV-Mirror beats direct K/V reuse (blog; no number given)")
 MOE_LOAD = "max/mean expert load (held-out batches)"
@@ -609,35 +693,37 @@ def tah_stages(P):
 
 class Oracle:
     """Oracle depths (TaH Eq. 7): a token is hard, 2 passes, iff the frozen reference's top-1
-    prediction is not the target; targets of -1 (operands) are easy."""
+    prediction is not the target and its input token is in the response (task.response, the
+    authors' rule); targets of -1 are easy."""
 
-    def __init__(self, ref, max_depth):
-        self.ref, self.max_depth = ref, max_depth
+    def __init__(self, ref, max_depth, task):
+        self.ref, self.max_depth, self.task = ref, max_depth, task
 
     @torch.no_grad()
     def __call__(self, x, y):
-        return oracle_depths(self.ref(x, mode="standard").logits, y, self.max_depth)
+        return oracle_depths(self.ref(x, mode="standard").logits, y, self.max_depth, self.task.response(x))
 
 
-def answer_exact(ok, y, problem_len, digits):
-    """Per problem: every answer digit right (only problems whose digits+1 targets all lie in the
-    block). A greedy decode of the answer is right iff every teacher-forced digit is, so this is
-    also greedy decoding's exact match."""
+def answer_exact(ok, y, problem_len, answers):
+    """Per problem: every answer right (only problems whose `answers` targets all lie in the
+    block). A greedy decode of the answers is right iff every teacher-forced answer is, so this
+    is also greedy decoding's exact match."""
     keep = y != -1
     pid = (torch.arange(1, y.size(1) + 1, device=y.device) // problem_len).expand_as(y)
     pid = pid + torch.arange(y.size(0), device=y.device)[:, None] * (y.size(1) // problem_len + 2)
     pid, good = pid[keep], ok[keep]
     ids, count = pid.unique(return_counts=True)
     wrong = torch.zeros_like(ids).index_add_(0, torch.searchsorted(ids, pid), (~good).long())
-    complete = count == digits + 1
+    complete = count == answers
     return (wrong[complete] == 0).float().mean().item() if complete.any() else float("nan")
 
 
 @torch.no_grad()
 def tah_eval(model, data, P, args, mode, oracle, threshold=None):
-    """Held-out metrics of one routing mode over answer digits (the targets): loss, accuracy,
-    whole-answer exact match, tokens iterated (all positions), and per-token outcomes (for
-    revision counts against Standard); for the decider, how well it imitates the oracle."""
+    """Held-out metrics of one routing mode over the answers (the targets): loss, accuracy,
+    whole-problem exact match, tokens iterated and passes per token (all positions), and
+    per-token outcomes (for revision counts against Standard); for the decider, how well it
+    imitates the oracle."""
     model.eval()
     saved = model.cfg.threshold
     model.cfg.threshold = threshold or saved
@@ -651,7 +737,7 @@ def tah_eval(model, data, P, args, mode, oracle, threshold=None):
             keep = y != -1
             ok = out.logits.argmax(-1) == y
             losses.append(out.loss.item())
-            ems.append(answer_exact(ok, y, data.problem_len, data.digits))
+            ems.append(answer_exact(ok, y, data.problem_len, data.answers))
             iterated.append((out.depths > 1).float().mean().item())
             oks.append(ok[keep])
             first_oks.append((out.first_logits.argmax(-1) == y)[keep])
@@ -662,8 +748,8 @@ def tah_eval(model, data, P, args, mode, oracle, threshold=None):
         model.train()
     ok, first_ok, hard, went = (torch.cat(v) for v in (oks, first_oks, hard, went))
     r = {"loss": float(np.mean(losses)), "acc": ok.float().mean().item(), "exact match": float(np.mean(ems)),
-         "iterated": float(np.mean(iterated))}
-    if mode == "decider":  # imitation of the oracle over answer digits (operands are trivially "stop")
+         "iterated": float(np.mean(iterated)), "passes per token": 1 + float(np.mean(iterated))}
+    if mode == "decider":  # imitation of the oracle over answers (other positions are trivially "stop")
         tp, pos, neg = (went & hard).sum().item(), hard.sum().item(), (~hard).sum().item()
         recall, spec = tp / max(pos, 1), (~went & ~hard).sum().item() / max(neg, 1)
         r.update({"decider balanced acc": 0.5 * (recall + spec), "decider recall": recall,
@@ -672,18 +758,34 @@ def tah_eval(model, data, P, args, mode, oracle, threshold=None):
 
 
 def suite_tah(P, args, seed, data, every_arm):
+    """TaH on in-context lookups (Lookups), a one-layer backbone. The task has TaH's premise:
+    a two-hop answer needs one more lookup at its own position, over pairs that the first pass
+    already represents, and the first pass's prediction (the intermediate symbol, fed back by
+    Eq. 4) is exactly what the second hop needs; a one-layer model cannot compose two lookups
+    in one pass, so the reference's mistakes fall on the queries whose token says "2 hops"."""
+    return tah_protocol(P, args, seed, data, every_arm, "tah", TAH, P.tah_layers)
+
+
+def suite_tah_add(P, args, seed, data, every_arm):
+    """The contrast (--suite all): TaH on addition. An answer digit's extra work is the carry
+    chain over the operands, not a refinement at the digit's own position, so iterating only
+    the hard digits (whose operands never iterate: they have no target) cannot supply it."""
+    return tah_protocol(P, args, seed, data, every_arm, "tah-add", TAH_ADD, P.add_layers)
+
+
+def tah_protocol(P, args, seed, data, every_arm, tag, fx, n_layer):
     """The paper's protocol (TaH §4.3, §5) at tiny scale. A base model is pretrained on the
-    addition task; from it, on the same batches for the same steps: Standard (fine-tuned as is:
-    it is also the oracle's reference, as the paper uses the SFT model), AlwaysThink (every token
-    2 passes), TaH stage 1 (oracle depths from the frozen Standard model), then TaH stage 2 (the
+    task; from it, on the same batches for the same steps: Standard (fine-tuned as is: it is
+    also the oracle's reference, as the paper uses the SFT model), AlwaysThink (every token 2
+    passes), TaH stage 1 (oracle depths from the frozen Standard model), then TaH stage 2 (the
     decider imitates the oracle, everything else frozen)."""
     base_P, sft_P, stage2_P = tah_stages(P)
-    cfg = TaHConfig(**backbone_cfg(P, data.vocab_size, n_experts=0, n_layer=P.tah_layers),
+    cfg = TaHConfig(**backbone_cfg(P, data.vocab_size, n_experts=0, n_layer=n_layer, kv_mirror=n_layer >= 3),
                     logit_topk=min(100, data.vocab_size), max_depth=2, lora_rank=8)
     torch.manual_seed(seed)
     base = ThinkAtHard(cfg).to(args.device)
     std_loss = lambda m, x, y: m(x, y, mode="standard").loss
-    train("tah/base", base, std_loss, data, base_P, args, seed)
+    train(f"{tag}/base", base, std_loss, data, base_P, args, seed)
     later = ShiftedData(data, base_P.iters)
 
     def from_base(attention="duo"):
@@ -692,63 +794,67 @@ def suite_tah(P, args, seed, data, every_arm):
         return m
 
     models = {"standard": from_base(), "always": from_base(), "tah": from_base()}
-    train("tah/Standard", models["standard"], std_loss, later, sft_P, args, seed)
-    oracle = Oracle(copy.deepcopy(models["standard"]).eval().requires_grad_(False), cfg.max_depth)
-    train("tah/AlwaysThink", models["always"], lambda m, x, y: m(x, y, mode="always").loss, later, sft_P, args, seed)
+    train(f"{tag}/Standard", models["standard"], std_loss, later, sft_P, args, seed)
+    oracle = Oracle(copy.deepcopy(models["standard"]).eval().requires_grad_(False), cfg.max_depth, data)
+    train(f"{tag}/AlwaysThink", models["always"], lambda m, x, y: m(x, y, mode="always").loss, later, sft_P, args, seed)
     stage1 = lambda m, x, y: m.stage1_loss(x, y, oracle(x, y))
-    train("tah/TaH stage 1", models["tah"], stage1, later, sft_P, args, seed)
+    train(f"{tag}/TaH stage 1", models["tah"], stage1, later, sft_P, args, seed)
     models["tah"].requires_grad_(False).decider.requires_grad_(True)  # stage 2: only the decider learns
-    train("tah/TaH stage 2 (decider)", models["tah"], lambda m, x, y: m.stage2_loss(x, oracle(x, y))[0],
+    train(f"{tag}/TaH stage 2 (decider)", models["tah"], lambda m, x, y: m.stage2_loss(x, oracle(x, y))[0],
           ShiftedData(data, base_P.iters + sft_P.iters), stage2_P, args, seed)
     ev = lambda m, mode, thr=None: tah_eval(m, data, base_P, args, mode, oracle, thr)
-    rows = tah_routing_rows(models, ev, seed)
+    rows = tah_routing_rows(fx, models, ev, seed)
     if every_arm:
         for attention in ("first_depth", "depth_local"):
             m = from_base(attention)
-            train(f"tah/TaH stage 1, {attention}", m, stage1, later, sft_P, args, seed)
+            train(f"{tag}/TaH stage 1, {attention}", m, stage1, later, sft_P, args, seed)
             if attention == "first_depth":
-                rows += result_rows(TAH_ATTENTION, "duo-causal", seed, ev(models["tah"], "oracle")[0])
-            rows += result_rows(TAH_ATTENTION, attention.replace("_", "-"), seed, ev(m, "oracle")[0])
+                rows += result_rows(fx.attention, "duo-causal", seed, ev(models["tah"], "oracle")[0])
+            rows += result_rows(fx.attention, attention.replace("_", "-"), seed, ev(m, "oracle")[0])
     return rows
 
 
-def tah_routing_rows(models, ev, seed):
-    """Held-out rows of the TaH suite: Standard, then each of TAH_ARMS with its revisions against
-    Standard, the diagnostics, and the threshold sweep. ev(model, mode, threshold) -> tah_eval."""
+def tah_routing_rows(fx, models, ev, seed):
+    """Held-out rows of a TaH suite: Standard, then each of TAH_ARMS with its revisions against
+    Standard (and, for the decider, the share of AlwaysThink's gain it gets), the diagnostics,
+    and the threshold sweep. ev(model, mode, threshold) -> tah_eval."""
     r_std, o_std = ev(models["standard"], "standard")
-    rows = result_rows(TAH_ROUTING, "Standard", seed, r_std)
+    rows = result_rows(fx.routing, "Standard", seed, r_std)
     sweep = {"standard": r_std}
     for arm, which, mode in TAH_ARMS:
         r, o = ev(models[which], mode)
         # revisions against Standard's prediction of the same token (TaH Fig. 1b)
         r["corrected vs Standard"] = int((o["ok"] & ~o_std["ok"]).sum())
         r["corrupted vs Standard"] = int((~o["ok"] & o_std["ok"]).sum())
-        rows += result_rows(TAH_ROUTING, arm, seed, r)
-        rows += tah_diagnostics(mode, o, seed)
         sweep[models[which].cfg.threshold if mode == "decider" else mode] = r
+        if mode == "decider":  # cost beside accuracy: how much of AlwaysThink's gain, at what share of its passes
+            gain = sweep["always"]["acc"] - r_std["acc"]
+            r["share of AlwaysThink's gain"] = (r["acc"] - r_std["acc"]) / gain if gain > 0 else float("nan")
+        rows += result_rows(fx.routing, arm, seed, r)
+        rows += tah_diagnostics(fx, mode, o, seed)
     # the compute-accuracy trade-off (TaH Fig. 4): Standard and AlwaysThink are the end points
     for thr in (0.1, 0.3, 0.5, 0.7, 0.8, 0.95):
         sweep[thr] = ev(models["tah"], "decider", thr)[0]
     for key in ["standard"] + sorted(k for k in sweep if not isinstance(k, str)) + ["always"]:
         arm = {"standard": "Standard", "always": "AlwaysThink"}.get(key, f"TaH decider, threshold {key}")
-        rows += result_rows(TAH_SWEEP, arm, seed, {k: sweep[key][k] for k in ("iterated", "acc")})
+        rows += result_rows(fx.sweep, arm, seed, {k: sweep[key][k] for k in ("iterated", "acc")})
     return rows
 
 
-def tah_diagnostics(mode, o, seed):
+def tah_diagnostics(fx, mode, o, seed):
     """Oracle: where its gain comes from (depth 0 alone vs the sum). Decider: the fate of the
-    easy digits it sends on (overthinking)."""
+    easy answers it sends on (overthinking)."""
     if mode == "oracle":
         h = o["hard"]
-        return result_rows(TAH_DIAG, "TaH under the oracle", seed, {
-            "hard share of answer digits": h.float().mean().item(),
-            "depth-0 acc, easy digits": o["first_ok"][~h].float().mean().item(),
-            "depth-0 acc, hard digits": o["first_ok"][h].float().mean().item(),
-            "summed acc, hard digits": o["ok"][h].float().mean().item()})
+        return result_rows(fx.diag, "TaH under the oracle", seed, {
+            "hard share of answers": h.float().mean().item(),
+            "depth-0 acc, easy answers": o["first_ok"][~h].float().mean().item(),
+            "depth-0 acc, hard answers": o["first_ok"][h].float().mean().item(),
+            "summed acc, hard answers": o["ok"][h].float().mean().item()})
     if mode == "decider":
-        fp = o["went"] & ~o["hard"]  # easy digits the decider sent on
-        return result_rows(TAH_DIAG, "TaH under the decider", seed, {
-            "easy digits sent on": fp.float().mean().item(),
+        fp = o["went"] & ~o["hard"]  # easy answers the decider sent on
+        return result_rows(fx.diag, "TaH under the decider", seed, {
+            "easy answers sent on": fp.float().mean().item(),
             "of those, right at depth 0": o["first_ok"][fp].float().mean().item() if fp.any() else float("nan"),
             "of those, right after depth 1": o["ok"][fp].float().mean().item() if fp.any() else float("nan")})
     return []
@@ -778,19 +884,19 @@ def suite_moe(P, args, seed, data, every_arm):
     return rows
 
 
-SUITES = {"hd": suite_hd, "tah": suite_tah, "moe": suite_moe}
+SUITES = {"hd": suite_hd, "tah": suite_tah, "tah-add": suite_tah_add, "moe": suite_moe}
 
 
 def planned_arms(suite, every_arm):
     """Training stages one seed of a suite runs (for the progress line)."""
-    return {"hd": 4 + 12 * every_arm, "tah": 5 + 2 * every_arm}.get(suite, 2 + every_arm)
+    return {"hd": 4 + 12 * every_arm, "tah": 5 + 2 * every_arm, "tah-add": 5 + 2 * every_arm}.get(suite, 2 + every_arm)
 
 
 def planned_steps(P, suite, every_arm):
     """Training steps one seed of a suite runs (for the progress line)."""
     if suite == "hd":
         return P.iters + 3 * P.hd_cont_iters + (12 * P.iters if every_arm else 0)
-    if suite == "tah":
+    if suite in ("tah", "tah-add"):
         return P.tah_base_iters + (3 + 2 * every_arm) * P.tah_sft_iters + P.decider_iters
     return (2 + every_arm) * P.iters
 
@@ -815,16 +921,28 @@ CLAIMS = [
     Claim("HD n=2 beats n=1 (continued from one checkpoint)", HD_N, "n=2 continued", "n=1 continued", "loss", -1),
     Claim("HD n=4 beats n=1 (continued from one checkpoint)", HD_N, "n=4 continued", "n=1 continued", "loss", -1),
     Claim("HD gain grows with n: n=4 beats n=2", HD_N, "n=4 continued", "n=2 continued", "loss", -1),
-    Claim("latent overthinking: AlwaysThink corrupts more than it corrects", TAH_ROUTING, "AlwaysThink", "AlwaysThink",
-          "corrupted - corrected vs Standard", +1),
-    Claim("AlwaysThink falls below Standard (paper: 44.7 vs 47.8)", TAH_ROUTING, "AlwaysThink", "Standard", "acc", -1),
-    Claim("TaH under the oracle beats Standard (upper bound)", TAH_ROUTING, TAH_ORACLE, "Standard", "acc", +1),
-    Claim("TaH under its decider beats Standard: answer digits", TAH_ROUTING, TAH_DECIDER, "Standard", "acc", +1),
-    Claim("TaH under its decider beats Standard: whole answers", TAH_ROUTING, TAH_DECIDER, "Standard", "exact match", +1),
-    Claim("decider imitates the oracle: balanced accuracy above 0.80", TAH_ROUTING, TAH_DECIDER, 0.80,
-          "decider balanced acc", +1),
     Claim("loss-free bias balances the experts", MOE_BALANCE, "bias update on", "bias update off", MOE_LOAD, -1),
 ]
+
+
+def tah_claims(fx, task):
+    """The TaH claims on one task's rows."""
+    r = fx.routing
+    return [
+        Claim(f"{task}: TaH under the oracle beats Standard (upper bound)", r, TAH_ORACLE, "Standard", "acc", +1),
+        Claim(f"{task}: TaH under its decider beats Standard: answers", r, TAH_DECIDER, "Standard", "acc", +1),
+        Claim(f"{task}: TaH under its decider beats Standard: whole problems", r, TAH_DECIDER, "Standard",
+              "exact match", +1),
+        Claim(f"{task}: the decider iterates at most 10% of positions", r, TAH_DECIDER, 0.10, "iterated", -1),
+        Claim(f"{task}: the decider imitates the oracle: balanced accuracy above 0.85", r, TAH_DECIDER, 0.85,
+              "decider balanced acc", +1),
+        Claim(f"{task}: latent overthinking: AlwaysThink corrupts more than it corrects", r, "AlwaysThink",
+              "AlwaysThink", "corrupted - corrected vs Standard", +1),
+        Claim(f"{task}: AlwaysThink falls below Standard (paper: 44.7 vs 47.8)", r, "AlwaysThink", "Standard", "acc", -1),
+    ]
+
+
+CLAIMS = CLAIMS[:3] + tah_claims(TAH, "TaH, lookups") + CLAIMS[3:] + tah_claims(TAH_ADD, "TaH, addition")
 
 RULE = ("shown: over >= 2 seeds, the paired difference has the paper's sign in every seed and its mean "
         "exceeds twice its standard deviation across seeds; otherwise not shown")
@@ -957,12 +1075,13 @@ def plot(run_dir, out_dir):
 
 
 def plot_sweep(summary, out_dir):
-    """TaH's compute-accuracy trade-off: answer-digit accuracy vs tokens iterated."""
-    pts = {}
+    """TaH's compute-accuracy trade-off, one panel per task: answer accuracy vs positions
+    iterated, the decider's thresholds as a curve, Standard and AlwaysThink as end points."""
+    panels = {}  # effect -> arm -> metric -> mean
     for s in summary:
-        if s["effect"] == TAH_SWEEP.name:
-            pts.setdefault(s["arm"], {})[s["metric"]] = s["mean"]
-    if not pts:
+        if s["effect"] in (TAH.sweep.name, TAH_ADD.sweep.name):
+            panels.setdefault(s["effect"], {}).setdefault(s["arm"], {})[s["metric"]] = s["mean"]
+    if not panels:
         return None
     try:
         import matplotlib
@@ -970,15 +1089,17 @@ def plot_sweep(summary, out_dir):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(5, 4))
-    sweep = [(v["iterated"], v["acc"]) for a, v in pts.items() if a.startswith("TaH")]
-    ax.plot(*zip(*sweep), "o-", label="TaH decider, thresholds")
-    for arm in ("Standard", "AlwaysThink"):
-        if arm in pts:
-            ax.plot(pts[arm]["iterated"], pts[arm]["acc"], "s", label=arm)
-    ax.set_xlabel("tokens iterated (fraction of all positions)")
-    ax.set_ylabel("answer-digit accuracy (held-out)")
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (effect, pts) in zip(axes[0], panels.items()):
+        sweep = sorted((v["iterated"], v["acc"]) for a, v in pts.items() if a.startswith("TaH"))
+        ax.plot(*zip(*sweep), "o-", label="TaH decider, thresholds 0.1-0.95")
+        for arm in ("Standard", "AlwaysThink"):
+            if arm in pts:
+                ax.plot(pts[arm]["iterated"], pts[arm]["acc"], "s", label=arm)
+        ax.set_title(effect.split("(", 1)[-1].rstrip(")"), fontsize=9)
+        ax.set_xlabel("positions iterated (fraction of all positions)")
+        ax.set_ylabel("answer accuracy (held-out, mean over seeds)")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     path = out_dir / "tah_tradeoff.png"
     fig.savefig(path, dpi=120)
@@ -1012,9 +1133,15 @@ def check_preset(P):
             return f"--{f.name} must be >= 1, got {v}"
         if isinstance(v, float) and not (math.isfinite(v) and v > 0):
             return f"--{f.name} must be a finite number > 0, got {v}"
+    if not P.two_hop < 1:
+        return f"--two_hop must be below 1 (some queries must be one-hop), got {P.two_hop}"
+    if P.symbols < 3:
+        return f"--symbols must be >= 3 (a cycle where two hops differ from one and from none), got {P.symbols}"
     try:
         HDConfig(**backbone_cfg(P, 100, layout=P.layout, window=P.window, n_streams=4))
-        TaHConfig(**backbone_cfg(P, len(Arith.VOCAB), n_experts=0, n_layer=P.tah_layers), logit_topk=len(Arith.VOCAB))
+        for task, layers in ((Lookups(P.symbols, P.queries, P.two_hop), P.tah_layers), (Arith(P.digits), P.add_layers)):
+            TaHConfig(**backbone_cfg(P, task.vocab_size, n_experts=0, n_layer=layers, kv_mirror=layers >= 3),
+                      logit_topk=min(100, task.vocab_size))
     except ValueError as e:
         return f"this preset builds no valid model: {e}"
     return None
@@ -1045,8 +1172,9 @@ def parse(argv):
                     help="evaluate on the dev set instead of the held-out set: for trying things out")
     preset_flags(ap)
     args = ap.parse_args(argv)
-    headline = ["hd", "tah", "moe"] if args.smoke else ["hd", "tah"]  # --smoke: every code path
-    names = {"headline": headline, "all": ["hd", "tah", "moe"]}.get(args.suite, args.suite.split(","))
+    every = list(SUITES)
+    headline = every if args.smoke else ["hd", "tah"]  # --smoke: every code path
+    names = {"headline": headline, "all": every}.get(args.suite, args.suite.split(","))
     bad = [s for s in names if s not in SUITES]
     if bad:
         ap.error(f"unknown suite(s) {bad}; choose headline, all, or from {sorted(SUITES)}")
@@ -1110,7 +1238,7 @@ def main(argv=None):
     todo = [(suite, seed) for suite in args.suites for seed in range(P.seeds) if (suite, seed) not in done]
     PROGRESS.total = sum(planned_steps(P, suite, args.every_arm) for suite, _ in todo)
     PROGRESS.arms = sum(planned_arms(suite, args.every_arm) for suite, _ in todo)
-    data = {"hd": text, "moe": text, "tah": Arith(P.digits)}
+    data = {"hd": text, "moe": text, "tah": Lookups(P.symbols, P.queries, P.two_hop), "tah-add": Arith(P.digits)}
     for suite in args.suites:
         for seed in range(P.seeds):
             if (suite, seed) in done:
