@@ -51,6 +51,43 @@ def test_shakespeare_comes_from_the_package_with_a_checked_tokenizer(tmp_path):
 
 
 @settings(max_examples=25, deadline=None)
+@given(S=st.integers(3, 9), Q=st.integers(1, 6), two_hop=st.floats(0.0, 0.99), seed=st.integers(0, 10_000),
+       T=st.integers(4, 90))
+def test_lookup_answers_are_a_walk_of_the_listed_pairs(S, Q, two_hop, seed, T):
+    task = tt.Lookups(S, Q, two_hop)
+    x, y = task.batch("train", 3, T, torch.Generator().manual_seed(seed))
+    assert x.shape == y.shape == (3, T) and x.max() < task.vocab_size
+    L = S + 2 * Q + 1  # S pairs, Q (query, answer), ';'
+    for b in range(3):
+        want = [-1] * T
+        for k in range(T // L + 1):
+            row = x[b, k * L:(k + 1) * L].tolist()
+            pairs = [divmod(t, S) for t in row[:S]]
+            if len(pairs) == S:  # the listed pairs are one cycle through every symbol
+                f = dict(pairs)
+                assert sorted(f) == sorted(f.values()) == list(range(S))
+                a, seen = 0, set()
+                while a not in seen:
+                    seen.add(a)
+                    a = f[a]
+                assert len(seen) == S
+            for j in range(Q):
+                t = k * L + S + 2 * j
+                if t >= T:
+                    break
+                hops, sym = divmod(x[b, t].item() - S * S, S)
+                assert hops in (0, 1)
+                for _ in range(hops + 1):  # walk the pairs listed before the query
+                    sym = f[sym]
+                want[t] = 2 * S * 1 + S * S + sym  # the answer token of sym
+                if t + 1 < T:
+                    assert x[b, t + 1].item() == want[t]
+            if (k + 1) * L - 1 < T:
+                assert x[b, (k + 1) * L - 1].item() == S * S + 3 * S  # ';'
+        assert y[b].tolist() == want
+
+
+@settings(max_examples=25, deadline=None)
 @given(digits=st.integers(1, 5), seed=st.integers(0, 10_000), T=st.integers(8, 80))
 def test_arith_answers_are_correct_by_construction(digits, seed, T):
     task = tt.Arith(digits)
@@ -172,7 +209,8 @@ def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp
         assert all(torch.equal(x, x1) and torch.equal(y, y1) for (x, y), (x1, y1) in zip(batches, batches1))
 
 
-def test_tah_oracle_labels_are_the_standard_models_top1_mistakes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("suite", ["tah", "tah-add"])
+def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response(suite, tmp_path, monkeypatch):
     trained, labelled, real = {}, [], tt.train
 
     def spy(name, model, loss_fn, data, P, args, seed, on_step=None):
@@ -187,15 +225,20 @@ def test_tah_oracle_labels_are_the_standard_models_top1_mistakes(tmp_path, monke
     monkeypatch.setattr(tt, "train", spy)
     monkeypatch.setattr(tt.ThinkAtHard, "stage1_loss", stage1)
     P = tt.PRESETS["smoke"]
-    tt.suite_tah(P, suite_args(tmp_path), 0, tt.Arith(P.digits), every_arm=False)
-    ref = trained["tah/Standard"].eval()
+    task = tt.Lookups(P.symbols, P.queries, P.two_hop) if suite == "tah" else tt.Arith(P.digits)
+    tt.SUITES[suite](P, suite_args(tmp_path), 0, task, every_arm=False)
+    ref = trained[f"{suite}/Standard"].eval()
+    if suite == "tah":  # the response: queries and answers (ids from S*S up to ';')
+        response = lambda b, t: P.symbols ** 2 <= x[b, t].item() < P.symbols ** 2 + 3 * P.symbols
+    else:  # the response: the answer digits and ';', from position 2n+2 of a problem on ('=' is the prompt's)
+        response = lambda b, t: t % task.problem_len >= 2 * P.digits + 2
     assert labelled
     for x, y, depths in labelled:
         for b in range(x.size(0)):
             for t in range(x.size(1)):  # brute force: the reference reads the prefix alone
                 with torch.no_grad():
                     top1 = ref(x[b:b + 1, :t + 1], mode="standard").logits[0, -1].argmax().item()
-                hard = y[b, t].item() != -1 and top1 != y[b, t].item()
+                hard = y[b, t].item() != -1 and top1 != y[b, t].item() and response(b, t)
                 assert depths[b, t].item() == (2 if hard else 1)
 
 
@@ -215,7 +258,7 @@ def test_exact_match_counts_the_problems_whose_every_answer_digit_is_right(digit
             if len(ts) == digits + 1:
                 total += 1
                 right += all(ok[b, t] for t in ts)
-    got = tt.answer_exact(ok, y, task.problem_len, digits)
+    got = tt.answer_exact(ok, y, task.problem_len, task.answers)
     if total == 0:
         assert np.isnan(got)
     else:

@@ -76,6 +76,7 @@ class Preset:
     queries: int = 5
     two_hop: float = 0.3
     tah_layers: int = 1
+    tah_ffn_hidden: int = 192
     digits: int = 4
     add_layers: int = 3
     tah_batch: int = 32
@@ -555,6 +556,8 @@ HD_SCRATCH = Effect("HD: expansion factor n, from scratch",
 HD_LAYOUTS = Effect("HD: stream-factorized layouts (n=2, from scratch)",
                     "21B avg: baseline 54.33; SF(1) +1.55, SF(4) +2.16, all-full +2.62 (HD Table 4)")
 HD_OBJECTIVE = Effect("HD: training objective (n=2, from scratch)", "loss: final 1.874 < sum 1.877 < all 1.880 (HD Table 5)")
+HD_LAYOUTS_CONT = Effect("HD: stream-factorized layouts (n=2, continued from the n=1 checkpoint)", HD_LAYOUTS.paper)
+HD_OBJECTIVE_CONT = Effect("HD: training objective (n=2, continued from the n=1 checkpoint)", HD_OBJECTIVE.paper)
 HD_KV = Effect("HD: per-stream vs shared KV (n=2, from scratch)",
                "avg: per-stream 64.23 vs shared 63.46 (1 full layer) (HD Table 6)")
 
@@ -602,6 +605,19 @@ def hd_ablation_arms(P):
             + [(HD_LAYOUTS, f"layout {name} ({lay})", dict(n_streams=2, layout=lay)) for name, lay in layouts]
             + [(HD_OBJECTIVE, f"objective {o}", dict(n_streams=2, objective=o)) for o in ("final", "all", "sum")]
             + [(HD_KV, "per-stream KV", dict(n_streams=2)), (HD_KV, "shared KV", dict(n_streams=2, shared_kv=True))])
+
+
+def hd_continued_ablation_arms(P):
+    """--suite all: the layout and objective ablations under the paper's protocol, each an n=2
+    model expanded from the n=1 checkpoint and continued for P.hd_cont_iters steps, as (effect,
+    arm, expand_streams overrides). None marks the headline's n=2 arm (layout P.layout,
+    objective final), whose rows are reused."""
+    L = P.n_layer
+    layouts = [("all-full", "F" * L), ("few-full", P.layout), ("one-full", "I" * (L - 1) + "F"), ("all-intra", "I" * L)]
+    return ([(HD_LAYOUTS_CONT, f"layout {name} ({lay})", None if lay == P.layout else dict(layout=lay))
+             for name, lay in layouts]
+            + [(HD_OBJECTIVE_CONT, f"objective {o}", None if o == "final" else dict(objective=o))
+               for o in ("final", "all", "sum")])
 
 
 def moe_arms(every_arm):
@@ -663,8 +679,18 @@ def suite_hd(P, args, seed, data, every_arm):
     later = ShiftedData(data, P.iters)  # every arm: the batches after the backbone's
     for n, model in hd_continuations(base, (1, 2, 4), args.device).items():
         train(f"hd/n={n} continued", model, lm_loss, later, cont, args, seed)
-        rows += result_rows(HD_N, f"n={n} continued", seed, evaluate(model, data, P, args))
+        r = evaluate(model, data, P, args)
+        rows += result_rows(HD_N, f"n={n} continued", seed, r)
+        if n == 2:
+            headline_n2 = r
     if every_arm:
+        for effect, arm, overrides in hd_continued_ablation_arms(P):
+            if overrides is None:
+                rows += result_rows(effect, arm, seed, headline_n2)
+                continue
+            model = expand_streams(base, 2, **overrides).to(args.device)
+            train(f"hd/n=2 continued, {arm}", model, lm_loss, later, cont, args, seed)
+            rows += result_rows(effect, arm, seed, evaluate(model, data, P, args))
         rows += suite_hd_ablations(P, args, seed, data)
     return rows
 
@@ -780,7 +806,8 @@ def tah_protocol(P, args, seed, data, every_arm, tag, fx, n_layer):
     passes), TaH stage 1 (oracle depths from the frozen Standard model), then TaH stage 2 (the
     decider imitates the oracle, everything else frozen)."""
     base_P, sft_P, stage2_P = tah_stages(P)
-    cfg = TaHConfig(**backbone_cfg(P, data.vocab_size, n_experts=0, n_layer=n_layer, kv_mirror=n_layer >= 3),
+    cfg = TaHConfig(**backbone_cfg(P, data.vocab_size, n_experts=0, n_layer=n_layer, kv_mirror=n_layer >= 3,
+                                   ffn_hidden=P.tah_ffn_hidden),
                     logit_topk=min(100, data.vocab_size), max_depth=2, lora_rank=8)
     torch.manual_seed(seed)
     base = ThinkAtHard(cfg).to(args.device)
@@ -889,13 +916,13 @@ SUITES = {"hd": suite_hd, "tah": suite_tah, "tah-add": suite_tah_add, "moe": sui
 
 def planned_arms(suite, every_arm):
     """Training stages one seed of a suite runs (for the progress line)."""
-    return {"hd": 4 + 12 * every_arm, "tah": 5 + 2 * every_arm, "tah-add": 5 + 2 * every_arm}.get(suite, 2 + every_arm)
+    return {"hd": 4 + 17 * every_arm, "tah": 5 + 2 * every_arm, "tah-add": 5 + 2 * every_arm}.get(suite, 2 + every_arm)
 
 
 def planned_steps(P, suite, every_arm):
     """Training steps one seed of a suite runs (for the progress line)."""
     if suite == "hd":
-        return P.iters + 3 * P.hd_cont_iters + (12 * P.iters if every_arm else 0)
+        return P.iters + 3 * P.hd_cont_iters + (12 * P.iters + 5 * P.hd_cont_iters if every_arm else 0)
     if suite in ("tah", "tah-add"):
         return P.tah_base_iters + (3 + 2 * every_arm) * P.tah_sft_iters + P.decider_iters
     return (2 + every_arm) * P.iters
