@@ -1,8 +1,8 @@
 """
 Hidden Decoding: each token expanded into n streams, Stream-Factorized Attention.
 
-Follows "Hidden Decoding at Scale" (../shared/papers/000_*, §2-3) with the details recovered in
-../shared/notes/hd.md. Built on moe.py: the backbone's blocks run unchanged; this file adds
+Follows "Hidden Decoding at Scale: Latent Computation Scaling for Large Language Models"
+(WeChat AI, arXiv 2607.08186, §2-3), with details the official model file describes. Built on moe.py: the backbone's blocks run unchanged; this file adds
 the n embedding tables, the three attention masks, the final-stream objective, progressive
 expansion, the KV-mirror final-stream skip and cached decoding.
 

@@ -2,7 +2,7 @@
 The backbone: a small WeLM-style Mixture-of-Experts transformer with KV-Mirror.
 
 Follows the WeLM blog post "Building effective sparse MoE models with moderate resources"
-(../shared/papers/001_*) and the details in ../shared/notes/moe.md:
+(WeChat AI), with details from WeLM's public inference code:
 
 - attention: grouped-query attention with more query heads than usual, a head-wise sigmoid
   output gate computed from the attention input (Qiu et al. 2025), KNorm (RMSNorm over

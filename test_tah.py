@@ -397,6 +397,29 @@ def test_stage2_loss_trains_only_the_decider_on_oracle_labels(max_depth):
             assert p.grad is None, name
 
 
+def test_decider_reads_hidden_states_indexed_as_the_authors_0_is_the_pass_input():
+    """decider_layers=(0, l): the pass's input (the embedding at depth 0, Eq. 4's mixture deeper)
+    and block l - 1's output, checked against the backbone run by hand."""
+    model = make(0, decider_layers=(0, 2, 3))
+    idx = torch.randint(53, (2, 7))
+    out = model(idx, mode="always", features=True)
+    f0, f1 = out.passes[0].features, out.passes[1].features
+    x = model.backbone.wte(idx)
+    torch.testing.assert_close(f0.states[0], x)
+    pos, outs = torch.arange(7), []
+
+    def layer(i, block, x, kv_u):  # depth 0 alone is a causal pass (no deeper keys exist yet)
+        x, u = block(x, pos, "causal", kv_u=kv_u)
+        outs.append(x)
+        return x, u
+    model.backbone.run_blocks(x, layer)
+    torch.testing.assert_close(f0.states[1], outs[1])
+    torch.testing.assert_close(f0.states[2], outs[2])
+    torch.testing.assert_close(f1.states[0], model.next_input(out.first_logits))
+    with pytest.raises(ValueError, match="decider_layers"):
+        make(0, decider_layers=(4,))  # n_layer 3: states 0..3
+
+
 def test_stage2_loss_at_one_pass_says_there_is_nothing_to_learn():
     model = make(0, max_depth=1)
     idx = torch.randint(53, (1, 5))

@@ -162,7 +162,8 @@ def test_smoke_runs_every_suite_and_writes_results(tmp_path):
     tt.main(["--smoke", "--out", str(tmp_path)])
     md = (tmp_path / "results.md").read_text()
     effects = [v for v in vars(tt).values() if isinstance(v, tt.Effect)]
-    assert len(effects) == 11
+    effects += [e for v in vars(tt).values() if isinstance(v, tt.TaHEffects) for e in vars(v).values()]
+    assert len(effects) == 17  # 9 HD and MoE effects, 4 for each TaH task
     for effect in effects:  # every effect reported, with the paper's figure in its caption
         assert f"**{effect.name}** (paper: {effect.paper})" in md, effect
     result = json.loads((tmp_path / "results.json").read_text())

