@@ -2,9 +2,10 @@
 Hidden Decoding: each token expanded into n streams, Stream-Factorized Attention.
 
 Follows "Hidden Decoding at Scale: Latent Computation Scaling for Large Language Models"
-(WeChat AI, arXiv 2607.08186, §2-3), with details the official model file describes. Built on moe.py: the backbone's blocks run unchanged; this file adds
-the n embedding tables, the three attention masks, the final-stream objective, progressive
-expansion, the KV-mirror final-stream skip and cached decoding.
+(WeChat AI, arXiv 2607.08186, §2-3), with details the official model file describes. Built on
+moe.py: the backbone's blocks run unchanged; this file adds the n embedding tables, the three
+attention masks, the final-stream objective, progressive expansion, the KV-mirror final-stream
+skip and cached decoding.
 
 Indexing (0-based): token i, stream k, expanded index t = i*n + k, so i(t) = t // n and
 s(t) = t % n. The expanded input is S[t] = E_{s(t)}[x_{i(t)}] (HD §2.1).

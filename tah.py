@@ -3,7 +3,8 @@ Think-at-Hard (TaH): selective latent iterations with duo-causal attention.
 
 Follows "Think-at-Hard: Selective Latent Iterations to Improve Reasoning Language Models"
 (Fu et al., arXiv 2511.08577, §4 and App. A), with details from the authors' released code
-(github.com/thu-nics/TaH) where the paper leaves them open. Built on moe.py (dense or MoE backbone): the blocks run unchanged.
+(github.com/thu-nics/TaH) where the paper leaves them open. Built on moe.py (dense or MoE
+backbone): the blocks run unchanged.
 
 Depths are 0-based here (the paper's d = 1 is depth 0). Token i runs D_i passes, depths
 0 .. D_i - 1; its state at depth d is (i, d).
