@@ -75,11 +75,11 @@ def test_lookup_answers_are_a_walk_of_the_listed_pairs(S, Q, two_hop, seed, T):
                 t = k * L + S + 2 * j
                 if t >= T:
                     break
-                hops, sym = divmod(x[b, t].item() - S * S, S)
-                assert hops in (0, 1)
-                for _ in range(hops + 1):  # walk the pairs listed before the query
+                extra, sym = divmod(x[b, t].item() - S * S, S)  # ids S*S..: "x, 1 hop" then "x, 2 hops"
+                assert extra in (0, 1)
+                for _ in range(1 + extra):  # walk the pairs listed before the query
                     sym = f[sym]
-                want[t] = 2 * S * 1 + S * S + sym  # the answer token of sym
+                want[t] = S * S + 2 * S + sym  # the answer token of sym
                 if t + 1 < T:
                     assert x[b, t + 1].item() == want[t]
             if (k + 1) * L - 1 < T:

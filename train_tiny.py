@@ -950,10 +950,12 @@ class Claim:
     sign: int
 
 
-CLAIMS = [
+HD_CLAIMS = [
     Claim("HD n=2 beats n=1 (continued from one checkpoint)", HD_N, "n=2 continued", "n=1 continued", "loss", -1),
     Claim("HD n=4 beats n=1 (continued from one checkpoint)", HD_N, "n=4 continued", "n=1 continued", "loss", -1),
     Claim("HD gain grows with n: n=4 beats n=2", HD_N, "n=4 continued", "n=2 continued", "loss", -1),
+]
+MOE_CLAIMS = [
     Claim("loss-free bias balances the experts", MOE_BALANCE, "bias update on", "bias update off", MOE_LOAD, -1),
 ]
 
@@ -975,7 +977,7 @@ def tah_claims(fx, task):
     ]
 
 
-CLAIMS = CLAIMS[:3] + tah_claims(TAH, "TaH, lookups") + CLAIMS[3:] + tah_claims(TAH_ADD, "TaH, addition")
+CLAIMS = HD_CLAIMS + tah_claims(TAH, "TaH, lookups") + MOE_CLAIMS + tah_claims(TAH_ADD, "TaH, addition")
 
 RULE = ("shown: over >= 2 seeds, the paired difference has the paper's sign in every seed and its mean "
         "exceeds twice its standard deviation across seeds; otherwise not shown")
