@@ -22,14 +22,14 @@ Run `python hd.py` to see the three masks drawn for n = 2, L = 4 (as in HD Figur
 tiny model's loss, skip and decoding.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from moe import ModelConfig, Transformer, attend, cached_generate, check_tokens, dense_mask, upcast
+from moe import ModelConfig, Transformer, attend, cached_generate, check_flex, check_tokens, dense_mask, upcast
 
 # -----------------------------------------------------------------------------
 # Config
@@ -70,13 +70,15 @@ class HDConfig(ModelConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.n_streams, int) or self.n_streams < 1:
+        if isinstance(self.n_streams, bool) or not isinstance(self.n_streams, int) or self.n_streams < 1:
             raise ValueError(f"n_streams must be an int >= 1, got {self.n_streams!r}")
+        if not isinstance(self.layout, str):
+            raise ValueError(f"layout must be a string of F, L or I, one per layer, got {self.layout!r}")
         if len(self.layout) != self.n_layer:
             raise ValueError(f"layout must have one letter per layer ({self.n_layer}), got {self.layout!r}")
         if set(self.layout) - set("FLI"):
             raise ValueError(f"layout letters must be F, L or I, got {self.layout!r}")
-        if not isinstance(self.window, int) or self.window < 1:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"window must be an int >= 1, got {self.window!r}")
         if self.positions not in ("expanded", "token"):
             raise ValueError(f"positions must be 'expanded' or 'token', got {self.positions!r}")
@@ -86,12 +88,21 @@ class HDConfig(ModelConfig):
             raise ValueError(f"attn_impl must be 'fast', 'dense' or 'flex', got {self.attn_impl!r}")
         if self.shared_kv and "I" not in self.layout:
             raise ValueError(f"shared_kv changes only intra-stream (I) layers; layout {self.layout!r} has none")
-        exact = self.objective == "final" and self.kv_mirror
-        if self.mirror_skip and not exact:
+        if self.mirror_skip not in (None, True, False):
+            raise ValueError(f"mirror_skip must be None, True or False, got {self.mirror_skip!r}")
+        if self.mirror_skip and not self.skip_is_exact:
             raise ValueError("mirror_skip is exact only with objective='final' and kv_mirror=True "
                              f"(got objective={self.objective!r}, kv_mirror={self.kv_mirror})")
-        if self.mirror_skip is None:
-            self.mirror_skip = exact
+
+    @property
+    def skip_is_exact(self):
+        return self.objective == "final" and self.kv_mirror
+
+    @property
+    def final_stream_skip(self):
+        """Whether the skip is on: mirror_skip, or where it is None, wherever it is exact.
+        (Resolved here, not written back, so the config copies and replaces like any dataclass.)"""
+        return self.skip_is_exact if self.mirror_skip is None else self.mirror_skip
 
 
 # -----------------------------------------------------------------------------
@@ -206,21 +217,49 @@ class Rows:
         self.final = slice(n - 1, None, n)  # final-stream rows among the new ones
         self.block_masks = {}
 
-    def mask(self, i, final_only, cached):
-        """Layer i's mask for the new rows (or their final-stream rows) against every key row:
-        a BlockMask where flex serves (see the table in HiddenDecoding), else a dense mask."""
+    def mask(self, i, final_only, path):
+        """Layer i's mask for the new rows (or their final-stream rows) against every key row,
+        in the form `path` names (attention_path): "own", "recent", "dense" or "block"."""
         cfg, mod = self.cfg, layer_mask(self.cfg, i)
         q_t = self.t[self.final] if final_only else self.t
-        use_flex = cfg.attn_impl == "flex" or (cfg.attn_impl == "fast" and self.device.type == "cuda")
-        if cached and cfg.layout[i] == "L" and cfg.attn_impl == "fast":
+        if path == "own":
+            return OwnStream(cfg.n_streams, final_only)
+        if path == "recent":
             return Recent(mod, q_t, self.start, cfg.window)
-        if cached or not use_flex:
+        if path == "dense":
             return dense_mask(mod, q_t, self.t_kv)
         key = (cfg.layout[i], final_only)
         if key not in self.block_masks:
             mod = on_final_rows(mod, cfg.n_streams) if final_only else mod
             self.block_masks[key] = create_block_mask(mod, None, None, len(q_t), len(self.t_kv), device=self.device)
         return self.block_masks[key]
+
+
+def attention_path(cfg, i, cached, final_only, device):
+    """Which attention path serves layer i. Every path equals the dense reference (the layer's
+    mask_mod as a boolean matrix); test_hd.py checks each against it.
+
+        "causal"  SDPA's causal kernel (M^full is plain causal)      fast: F, uncached, all rows
+        "fold"    streams folded into the batch, each causal          fast: I, uncached
+        "own"     OwnStream: a row reads its own stream's cache rows  fast: I, cached
+        "recent"  Recent: only the cache rows the window reaches      fast: L, cached
+        "block"   a flex BlockMask                                    fast: the rest uncached, on CUDA
+        "dense"   a dense boolean mask                                fast: the rest; "dense": all
+
+    With attn_impl "flex" every uncached layer takes "block", cached ones "dense". I means an I
+    layer with per-stream K/V; shared-KV I layers are "the rest". final_only: the queries are
+    the final-stream rows (a mirrored layer under the KV-mirror skip; "fold" then runs the
+    final stream alone, and F is no longer square, so not "causal")."""
+    letter = cfg.layout[i]
+    if cfg.attn_impl != "fast":
+        return "block" if cfg.attn_impl == "flex" and not cached else "dense"
+    if letter == "I" and not cfg.shared_kv:
+        return "own" if cached else "fold"
+    if letter == "L" and cached:
+        return "recent"
+    if letter == "F" and not cached and not final_only:
+        return "causal"
+    return "block" if device.type == "cuda" and not cached else "dense"
 
 
 # -----------------------------------------------------------------------------
@@ -242,27 +281,14 @@ class HiddenDecoding(nn.Module):
         rows = torch.stack([table(idx) for table in self.tables], dim=2)  # (B, L, n, C)
         return rows.flatten(1, 2)
 
-    # Which attention path serves which layer. Every path equals the dense reference (the
-    # mask_mod evaluated as a boolean matrix); test_hd.py checks each against it.
-    #
-    #   layer                 attn_impl "fast"                              "dense"      "flex"
-    #   F                     SDPA's causal kernel                          dense mask   BlockMask
-    #   L, shared-KV I        BlockMask on CUDA, dense mask on CPU          dense mask   BlockMask
-    #   I                     streams folded into the batch, causal SDPA    dense mask   BlockMask
-    #   mirrored, under the KV-mirror skip (queries: final-stream rows; keys: every row's K/V):
-    #   I                     causal SDPA over the final stream's own rows  dense mask   BlockMask
-    #   F, L, shared-KV I     BlockMask on CUDA, dense mask on CPU          dense mask   BlockMask
-    #
-    # Cached decoding: dense masks, except with attn_impl "fast", where I layers read only their
-    # own stream's cached rows (OwnStream) and L layers only the rows their window reaches (Recent).
-    #
-    # The skip (HD §3.1): mirrored layers are the last n_layer // 3 (moe.py), so from the first
-    # of them on only the final-stream rows are carried; their K/V still come from every row of
-    # the source layer's input.
+    # Which attention path serves each layer: attention_path. The skip (HD §3.1): mirrored
+    # layers are the last n_layer // 3 (moe.py), so from the first of them on only the
+    # final-stream rows are carried; their K/V still come from every row of the source
+    # layer's input.
 
     def skip_from(self):
         """Index of the first layer that runs final-stream rows only, or None (no skip)."""
-        return self.cfg.n_layer - self.cfg.n_layer // 3 if self.cfg.mirror_skip else None
+        return self.cfg.n_layer - self.cfg.n_layer // 3 if self.cfg.final_stream_skip else None
 
     def hidden(self, idx, caches=None):
         """Final residual states: (B, L*n, C), or (B, L, C) final-stream rows under the skip."""
@@ -271,29 +297,28 @@ class HiddenDecoding(nn.Module):
         start = 0 if caches is None else len(caches[0])  # rows already cached
         if start // n + L > cfg.block_size:
             raise ValueError(f"sequence of {start // n + L} tokens exceeds block_size={cfg.block_size}")
+        check_flex(cfg.attn_impl, idx.device)
         rows = Rows(cfg, start, L, idx.device)
-        fast = cfg.attn_impl == "fast" and caches is None
         skip = self.skip_from()
 
         def layer(i, block, x, kv_u):
             cache = None if caches is None else caches[i]
-            intra = cfg.layout[i] == "I" and not cfg.shared_kv and cfg.attn_impl == "fast"
+            final_only = skip is not None and i >= skip  # queries: the final-stream rows only
             if i == skip:
-                x = x[:, rows.final]  # from here on: final-stream rows only
-            if skip is not None and i >= skip:
-                if intra and cache is None:  # the final stream attends to itself only: causal over its own rows
-                    return block(x, rows.pos[rows.final], "causal", kv_u=kv_u[:, rows.final],
-                                 kv_pos=rows.pos[rows.final])
-                mask = OwnStream(n, final_only=True) if intra else rows.mask(i, True, cached=cache is not None)
-                return block(x, rows.pos[rows.final], mask, kv_u=kv_u, kv_pos=rows.pos, cache=cache)
-            if cfg.layout[i] == "F" and fast:
-                return block(x, rows.pos, "causal", kv_u=kv_u)  # M^full is plain causal: SDPA's kernel
-            if intra and cache is None:
+                x = x[:, rows.final]
+            path = attention_path(cfg, i, cache is not None, final_only, idx.device)
+            if final_only:  # queries: final-stream rows; keys: every row's (the source layer's input)
+                q_pos = rows.pos[rows.final]
+                if path == "fold":  # the final stream attends to its own rows only
+                    return block(x, q_pos, "causal", kv_u=kv_u[:, rows.final], kv_pos=q_pos)
+                return block(x, q_pos, rows.mask(i, True, path), kv_u=kv_u, kv_pos=rows.pos, cache=cache)
+            if path == "causal":
+                return block(x, rows.pos, "causal", kv_u=kv_u)
+            if path == "fold":
                 x_f, u_f = block(fold(x, n), fold(rows.pos.expand(B, -1), n), "causal",
                                  kv_u=None if kv_u is None else fold(kv_u, n))
                 return unfold(x_f, n), unfold(u_f, n)
-            mask = OwnStream(n, final_only=False) if intra else rows.mask(i, False, cached=cache is not None)
-            return block(x, rows.pos, mask, kv_u=kv_u, cache=cache)
+            return block(x, rows.pos, rows.mask(i, False, path), kv_u=kv_u, cache=cache)
 
         return self.backbone.run_blocks(self.embed(idx), layer)
 
@@ -326,11 +351,11 @@ class HiddenDecoding(nn.Module):
             loss = F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten(), ignore_index=-1)
         return logits, loss
 
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None):
         """Cached decoding (HD §3.2): each new token enters as its n stream rows in one step
         (forward does that); all n rows are cached in every layer; the final stream's logits
         pick the next token."""
-        return cached_generate(self, idx, max_new_tokens, temperature, top_k, generator)
+        return cached_generate(self, idx, max_new_tokens, temperature, sample_top_k, generator)
 
 
 # -----------------------------------------------------------------------------
@@ -344,10 +369,12 @@ def expand_streams(model, n_new, **overrides):
     the same operation: its wte is E_0). The backbone and LM head carry over unchanged.
     overrides: HDConfig fields of the new model (e.g. layout, objective); shape fields must match.
     """
+    if isinstance(n_new, bool) or not isinstance(n_new, int) or n_new < 1:
+        raise ValueError(f"n_new must be an int >= 1, got {n_new!r}")
     if isinstance(model, HiddenDecoding):
         cfg, tables = model.cfg, [t.weight for t in model.tables]
         body = model.backbone.state_dict()
-        new_cfg = HDConfig(**{**cfg.__dict__, "mirror_skip": None, **overrides, "n_streams": n_new})
+        new_cfg = replace(cfg, **{**overrides, "n_streams": n_new})
     elif isinstance(model, Transformer):
         cfg, tables = model.cfg, [model.wte.weight]
         body = {k: v for k, v in model.state_dict().items() if not k.startswith("wte.")}
@@ -410,7 +437,7 @@ if __name__ == "__main__":
     idx = torch.randint(cfg.vocab_size, (2, 33))
     with torch.no_grad():
         logits, loss = model(idx[:, :-1], idx[:, 1:])
-        ref = HiddenDecoding(HDConfig(**{**cfg.__dict__, "mirror_skip": False, "attn_impl": "dense"}))
+        ref = HiddenDecoding(replace(cfg, mirror_skip=False, attn_impl="dense"))
         ref.load_state_dict(model.state_dict())
         ref_logits, ref_loss = ref.eval()(idx[:, :-1], idx[:, 1:])
     print(f"\nHD n={cfg.n_streams}, layout {cfg.layout}: loss {loss.item():.4f}; KV-mirror skip + fast paths vs "

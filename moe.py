@@ -80,29 +80,33 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_embd", "n_head", "n_kv_head",
                      "head_dim", "expert_hidden", "ffn_hidden"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
+        for name in ("rope_fraction", "rope_base", "balance_gamma", "norm_eps"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)) \
+                    or not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         if not 0.0 < self.rope_fraction <= 1.0:
             raise ValueError(f"rope_fraction must be in (0, 1], got {self.rope_fraction}")
         if self.rope_dim < 2 or self.rope_dim % 2:
             raise ValueError(f"rope_fraction * head_dim must round to an even number >= 2, got "
                              f"{self.rope_fraction} * {self.head_dim} -> {self.rope_dim}")
-        for name in ("rope_fraction", "rope_base", "balance_gamma", "norm_eps"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)) \
-                    or not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         if self.rope_base <= 1.0:
             raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
-        if not isinstance(self.n_experts, int) or self.n_experts < 0:
+        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
             raise ValueError(f"n_experts must be an int >= 0, got {self.n_experts!r}")
-        if self.n_experts > 0 and (not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.n_experts):
+        if self.n_experts > 0 and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                   or not 1 <= self.top_k <= self.n_experts):
             raise ValueError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
         if self.balance_gamma < 0:
             raise ValueError(f"balance_gamma must be >= 0, got {self.balance_gamma}")
         if self.moe_dispatch not in ("auto", "grouped_mm", "loop"):
             raise ValueError(f"moe_dispatch must be 'auto', 'grouped_mm' or 'loop', got {self.moe_dispatch!r}")
+        if not isinstance(self.kv_mirror, bool):
+            raise ValueError(f"kv_mirror must be True or False, got {self.kv_mirror!r}")
         if self.kv_mirror and self.n_layer < 3:
             raise ValueError(f"kv_mirror needs n_layer >= 3 (a first and a last third), got n_layer={self.n_layer}")
         if self.norm_eps <= 0:
@@ -424,23 +428,20 @@ class Transformer(nn.Module):
         loads = [m.update_bias(gamma) for m in self.moe_layers()]
         return torch.stack(loads) if loads else torch.zeros(0, 0)
 
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None):
         """Sample max_new_tokens after idx (B, T) with a KV cache; temperature 0 is greedy."""
-        return cached_generate(self, idx, max_new_tokens, temperature, top_k, generator)
+        return cached_generate(self, idx, max_new_tokens, temperature, sample_top_k, generator)
 
 
 @torch.no_grad()
-def cached_generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+def cached_generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None):
     """Sample max_new_tokens after idx (B, T) with one KV cache per layer; temperature 0 is
     greedy. Serves any model whose forward(idx, caches=...) continues its caches (moe, hd)."""
-    check_generation(idx, max_new_tokens, temperature, top_k, model.cfg.vocab_size)
-    if idx.size(1) + max_new_tokens > model.cfg.block_size:
-        raise ValueError(f"prompt {idx.size(1)} + max_new_tokens {max_new_tokens} exceeds "
-                         f"block_size={model.cfg.block_size}")
+    check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
     caches = [KVCache() for _ in range(model.cfg.n_layer)]
     logits, _ = model(idx, caches=caches)
     for _ in range(max_new_tokens):
-        nxt = sample(logits[:, -1], temperature, top_k, generator)
+        nxt = sample(logits[:, -1], temperature, sample_top_k, generator)
         idx = torch.cat([idx, nxt], dim=1)
         logits, _ = model(nxt, caches=caches)
     return idx
@@ -449,17 +450,18 @@ def cached_generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, gen
 def check_tokens(idx, targets, vocab_size):
     """Model inputs: idx (B, T) integer ids in [0, vocab_size) with B, T >= 1; targets None or
     integer ids of exactly idx's shape in [0, vocab_size), -1 = ignored, at least one kept."""
-    if not isinstance(idx, torch.Tensor) or idx.dtype.is_floating_point or idx.dtype.is_complex \
-            or idx.dtype == torch.bool:
-        raise ValueError(f"idx must be an integer tensor of token ids, got {getattr(idx, 'dtype', type(idx))}")
+    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"idx must be an integer tensor of token ids (int64 or int32, as nn.Embedding takes), "
+                         f"got {getattr(idx, 'dtype', type(idx))}")
     if idx.dim() != 2 or idx.numel() == 0:
         raise ValueError(f"idx must have shape (B, T) with B, T >= 1, got {tuple(idx.shape)}")
     if idx.min() < 0 or idx.max() >= vocab_size:
         raise ValueError(f"idx must hold ids in [0, vocab_size={vocab_size}), got [{idx.min().item()}, {idx.max().item()}]")
     if targets is None:
         return
-    if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError(f"targets must be an integer tensor, got {getattr(targets, 'dtype', type(targets))}")
+    if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
+        raise ValueError(f"targets must be an integer tensor (int64, as cross_entropy takes), "
+                         f"got {getattr(targets, 'dtype', type(targets))}")
     if targets.shape != idx.shape:
         raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
     if targets.min() < -1 or targets.max() >= vocab_size:
@@ -469,28 +471,40 @@ def check_tokens(idx, targets, vocab_size):
         raise ValueError("every target is -1 (ignored): the loss would be 0/0")
 
 
-def check_generation(idx, max_new_tokens, temperature, top_k, vocab_size):
-    check_tokens(idx, None, vocab_size)
+def check_flex(attn_impl, device):
+    """flex_attention has no backward on CPU (torch 2.13): say so before torch fails inside it."""
+    if attn_impl == "flex" and device.type == "cpu" and torch.is_grad_enabled():
+        raise ValueError("attn_impl='flex' runs forward only on CPU (torch has no flex_attention backward "
+                         "there): call it under torch.no_grad(), or train with the default attn_impl")
+
+
+def check_generation(idx, max_new_tokens, temperature, sample_top_k, cfg):
+    """generate's arguments, for any model config (moe, hd, tah): one clear error each."""
+    check_tokens(idx, None, cfg.vocab_size)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    check_sampling(temperature, top_k, vocab_size)
+    if idx.size(1) + max_new_tokens > cfg.block_size:
+        raise ValueError(f"prompt {idx.size(1)} + max_new_tokens {max_new_tokens} exceeds block_size={cfg.block_size}")
+    check_sampling(temperature, sample_top_k, cfg.vocab_size)
 
 
-def check_sampling(temperature, top_k, vocab_size):
+def check_sampling(temperature, sample_top_k, vocab_size):
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab_size):
-        raise ValueError(f"top_k must be an int in [1, {vocab_size}], got {top_k!r}")
+    k = sample_top_k
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size):
+        raise ValueError(f"sample_top_k must be an int in [1, {vocab_size}], got {k!r}")
 
 
-def sample(logits, temperature=1.0, top_k=None, generator=None):
-    """One token id per row of logits (B, V), as a (B, 1) tensor."""
-    check_sampling(temperature, top_k, logits.size(-1))
+def sample(logits, temperature=1.0, sample_top_k=None, generator=None):
+    """One token id per row of logits (B, V), as a (B, 1) tensor; sample_top_k keeps only the
+    k largest logits (the sampling cut-off, not the MoE's top_k experts per token)."""
+    check_sampling(temperature, sample_top_k, logits.size(-1))
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
     logits = upcast(logits) / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+    if sample_top_k is not None:
+        kth = torch.topk(logits, sample_top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
@@ -512,5 +526,5 @@ if __name__ == "__main__":
     print(f"expert load per layer (tokens x top_k = {idx[:, :-1].numel() * cfg.top_k} selections), max/mean:")
     for i, row in enumerate(load):
         print(f"  moe layer {i}: {row.int().tolist()}  max/mean {(row.max() / row.mean()).item():.2f}")
-    out = model.generate(idx[:1, :8], 16, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(0))
-    print(f"generate (untrained, top_k=20): prompt {idx[0, :8].tolist()} -> {out[0, 8:].tolist()}")
+    out = model.generate(idx[:1, :8], 16, temperature=1.0, sample_top_k=20, generator=torch.Generator().manual_seed(0))
+    print(f"generate (untrained, sample_top_k=20): prompt {idx[0, :8].tolist()} -> {out[0, 8:].tolist()}")

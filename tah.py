@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from moe import KVCache, ModelConfig, Transformer, check_generation, check_tokens, sample, upcast
+from moe import KVCache, ModelConfig, Transformer, check_flex, check_generation, check_tokens, sample, upcast
 
 MODES = ("standard", "always", "oracle", "decider")
 
@@ -89,9 +89,11 @@ class TaHConfig(ModelConfig):
             raise ValueError(f"lora_alpha must be a finite number, got {self.lora_alpha!r}")
         if not 1 <= self.logit_topk <= self.vocab_size:
             raise ValueError(f"logit_topk must be in [1, vocab_size={self.vocab_size}], got {self.logit_topk}")
-        if not 0.0 < self.threshold < 1.0:
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
+                or not 0.0 < self.threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
-        self.decider_layers = tuple(self.decider_layers) or tuple(dict.fromkeys((0, self.n_layer // 2, self.n_layer)))
+        if not isinstance(self.decider_layers, (tuple, list)):
+            raise ValueError(f"decider_layers must be a tuple of hidden-state indices, got {self.decider_layers!r}")
         bad = [l for l in self.decider_layers if isinstance(l, bool) or not isinstance(l, int) or not 0 <= l <= self.n_layer]
         if bad:
             raise ValueError(f"decider_layers must be hidden-state indices in [0, n_layer={self.n_layer}] "
@@ -102,6 +104,13 @@ class TaHConfig(ModelConfig):
             raise ValueError(f"attention must be 'duo', 'first_depth' or 'depth_local', got {self.attention!r}")
         if self.attn_impl not in ("dense", "flex"):
             raise ValueError(f"attn_impl must be 'dense' or 'flex', got {self.attn_impl!r}")
+
+    @property
+    def decider_states(self):
+        """The hidden-state indices the decider reads: decider_layers, or by default (empty) the
+        input, a middle and the final state, (0, n_layer // 2, n_layer) with duplicates dropped.
+        (Resolved here, not written back, so the config copies and replaces like any dataclass.)"""
+        return tuple(self.decider_layers) or tuple(dict.fromkeys((0, self.n_layer // 2, self.n_layer)))
 
 
 # -----------------------------------------------------------------------------
@@ -151,10 +160,6 @@ class LoRALinear(nn.Module):
         self.scale = alpha / rank
         self.active = False
 
-    @property
-    def weight(self):
-        return self.base.weight
-
     def forward(self, x):
         y = self.base(x)
         return y + self.scale * F.linear(F.linear(x, self.A), self.B) if self.active else y
@@ -177,7 +182,7 @@ def add_lora(module, rank, alpha):
 @dataclass
 class DeciderInput:
     """What the decider reads about each state (§4.2): the output states of the blocks in
-    cfg.decider_layers, (..., C) each, and the top-k values of the running summed logits."""
+    cfg.decider_states, (..., C) each, and the top-k values of the running summed logits."""
     states: list
     topk_values: torch.Tensor
 
@@ -187,7 +192,7 @@ class DeciderInput:
 
 
 class Decider(nn.Module):
-    """score = MLP([h_l for l in decider_layers] ++ W topk_values), one per state (§4.2). Returns
+    """score = MLP([h_l for l in decider_states] ++ W topk_values), one per state (§4.2). Returns
     the raw score (a logit): the token goes on iff sigmoid(score) > threshold, and stage 2
     trains it with a BCE on logits."""
 
@@ -196,7 +201,7 @@ class Decider(nn.Module):
         C = cfg.n_embd
         self.logit_proj = nn.Linear(cfg.logit_topk, C)
         self.mlp = nn.Sequential(
-            nn.Linear(C * (len(cfg.decider_layers) + 1), cfg.decider_hidden), nn.GELU(),
+            nn.Linear(C * (len(cfg.decider_states) + 1), cfg.decider_hidden), nn.GELU(),
             nn.Linear(cfg.decider_hidden, cfg.decider_hidden), nn.GELU(),
             nn.Linear(cfg.decider_hidden, 1))
 
@@ -266,7 +271,7 @@ def check_routing(mode, idx, targets, depths, cfg):
     check_tokens(idx, targets, cfg.vocab_size)
     max_depth = cfg.max_depth
     if mode == "oracle":
-        if depths is None or depths.shape != idx.shape:
+        if not isinstance(depths, torch.Tensor) or depths.shape != idx.shape:
             raise ValueError("mode 'oracle' needs depths of the same shape as idx")
         if depths.dtype.is_floating_point or depths.dtype == torch.bool:
             raise ValueError(f"depths must be integers (passes per token), got {depths.dtype}")
@@ -292,8 +297,10 @@ class ThinkAtHard(nn.Module):
         """Eq. 4 with the top-k only: softmax over the top-k logits, zero weight elsewhere, times
         the embedding table. (A dense (.., V) @ (V, C) product: the same sum as gathering the k
         rows, and cheaper than the (.., k, C) gather and its backward when k is near V.)"""
-        vals, ids = torch.topk(upcast(summed_logits), self.cfg.logit_topk, dim=-1)
         E = self.backbone.wte.weight
+        if self.cfg.logit_topk >= E.size(0):  # the top-k is every logit: skip the (slow) sort
+            return F.softmax(upcast(summed_logits), dim=-1).to(E.dtype) @ E
+        vals, ids = torch.topk(upcast(summed_logits), self.cfg.logit_topk, dim=-1)
         w = torch.zeros(*vals.shape[:-1], E.size(0), dtype=E.dtype, device=E.device)
         return w.scatter(-1, ids, F.softmax(vals, dim=-1).to(E.dtype)) @ E
 
@@ -305,6 +312,7 @@ class ThinkAtHard(nn.Module):
         """
         cfg = self.cfg
         check_routing(mode, idx, targets, depths, cfg)
+        check_flex(cfg.attn_impl, idx.device)
         B, T = idx.shape
         cache = cache or TaHCache(cfg.n_layer, B, idx.device)
         start = cache.reserve(T, cfg.block_size)
@@ -324,7 +332,7 @@ class ThinkAtHard(nn.Module):
             p = DepthPass(d, sel, valid, h)
             if mode == "decider" or features:
                 topv = torch.topk(upcast(gather(summed, sel)), cfg.logit_topk, dim=-1).values
-                p.features = DeciderInput([kept[l] for l in cfg.decider_layers],
+                p.features = DeciderInput([kept[l] for l in cfg.decider_states],
                                           topv.to(self.decider.logit_proj.weight.dtype))  # its weights' dtype
                 p.score = self.decider(p.features) if mode == "decider" else None
             passes.append(p)
@@ -336,10 +344,14 @@ class ThinkAtHard(nn.Module):
         return TaHOutput(summed, loss, ran, first, passes)
 
     def select(self, active, d):
-        """The query rows of depth d: sel (B, Tq) token indices, valid (B, Tq). Depth 0, and every
-        depth with gather=True, left-packs each row's active tokens in position order; gather=False
-        runs every token and masks the inactive ones (the reference)."""
-        if self.cfg.gather or d == 0:
+        """The query rows of depth d: sel (B, Tq) token indices, valid (B, Tq). Depth 0 runs every
+        token in order; a deeper depth with gather=True left-packs each row's active tokens in
+        position order, with gather=False it runs every token and masks the inactive ones (the
+        reference)."""
+        if d == 0:  # every token
+            sel = torch.arange(active.size(1), device=active.device).expand_as(active)
+            return sel, torch.ones_like(active)
+        if self.cfg.gather:
             n_act = active.sum(1)
             sel = torch.argsort((~active).int(), dim=1, stable=True)[:, :int(n_act.max())]
             return sel, torch.arange(sel.size(1), device=sel.device) < n_act[:, None]
@@ -354,7 +366,9 @@ class ThinkAtHard(nn.Module):
         q_depth = torch.full_like(q_pos, d)
         cache.add(q_pos, q_depth, valid)
         mod = duo_causal(q_pos, q_depth, cache.pos, cache.depth, cache.valid, cfg.attention)
-        if cfg.attn_impl == "flex":
+        if cfg.attn_impl == "dense" and d == 0 and cache.pos.size(1) == Tq:
+            mask = "causal"  # depth 0 of a fresh sequence: every token, no deeper keys yet, so Eq. 5 is causal
+        elif cfg.attn_impl == "flex":
             mask = create_block_mask(mod, B, None, Tq, cache.pos.size(1), device=x.device)
         else:
             mask = dense_batch_mask(mod, B, Tq, cache.pos.size(1), x.device)
@@ -374,6 +388,8 @@ class ThinkAtHard(nn.Module):
     def accumulate(summed, ran, logits, sel, valid, d, T):
         """Add depth d's logits into each token's running sum (the residual over depths, Eq. 4's
         input and the output) and record that the token ran d + 1 passes."""
+        if d == 0:  # depth 0 ran every token, in order (select)
+            return logits, torch.ones_like(ran)
         B = sel.size(0)
         b_i = torch.arange(B, device=sel.device)[:, None].expand_as(sel)[valid]
         t_i = sel[valid]
@@ -409,7 +425,9 @@ class ThinkAtHard(nn.Module):
         if self.cfg.max_depth < 2:
             raise ValueError("stage2_loss needs max_depth >= 2: with one pass there is no decision to learn")
         with torch.no_grad():  # gradient reaches the decider only
-            out = self(idx, mode="oracle", depths=depths, features=True)
+            # the last pass makes no decision, and passes before it never read its keys (k <= d
+            # in every attention variant), so it is not run
+            out = self(idx, mode="oracle", depths=depths.clamp(max=self.cfg.max_depth - 1), features=True)
         scores, labels, weights = [], [], []
         for p in out.passes[:self.cfg.max_depth - 1]:
             s = self.decider(p.features.rows(p.valid))
@@ -424,21 +442,18 @@ class ThinkAtHard(nn.Module):
         return loss, scores, labels
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, mode="decider"):
+    def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None, mode="decider"):
         """Token-by-token decoding with a per-(layer, depth) cache; the decider (or another
         routing mode) sets each token's depth. Returns (tokens (B, T + new), depths of every
         token that entered the model (B, T + new - 1))."""
-        check_generation(idx, max_new_tokens, temperature, top_k, self.cfg.vocab_size)
-        if idx.size(1) + max_new_tokens > self.cfg.block_size:
-            raise ValueError(f"prompt {idx.size(1)} + max_new_tokens {max_new_tokens} exceeds "
-                             f"block_size={self.cfg.block_size}")
+        check_generation(idx, max_new_tokens, temperature, sample_top_k, self.cfg)
         if mode == "oracle":
             raise ValueError("generate cannot use mode 'oracle': it needs the reference labels of unseen tokens")
         cache = TaHCache(self.cfg.n_layer, idx.size(0), idx.device)
         out = self(idx, mode=mode, cache=cache)
         depths = [out.depths]
         for step in range(max_new_tokens):
-            nxt = sample(out.logits[:, -1], temperature, top_k, generator)
+            nxt = sample(out.logits[:, -1], temperature, sample_top_k, generator)
             idx = torch.cat([idx, nxt], dim=1)
             if step + 1 < max_new_tokens:
                 out = self(nxt, mode=mode, cache=cache)

@@ -97,7 +97,7 @@ def test_gradcheck_hd_kv_mirror_final_stream_skip():
     torch.manual_seed(0)
     model = HiddenDecoding(HDConfig(**{**TINY, "n_experts": 0}, n_streams=2, layout="IFL", window=3,
                                     mirror_skip=True)).double()
-    assert model.cfg.mirror_skip
+    assert model.cfg.final_stream_skip
     idx, tgt = batch(4)
     for name in ("tables.0.weight", "backbone.blocks.0.attn.k_proj.weight", "backbone.blocks.2.attn.k_proj.weight"):
         gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])

@@ -5,6 +5,8 @@ the dense-mask path (SDPA with a boolean mask from the mask_mod); each stream ru
 sequence through the backbone; full forwards over each prefix.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -39,7 +41,7 @@ def hd_cfg(**kw):
 
 def twin(model, **kw):
     """The same weights under other HD settings (paths, skip, ...)."""
-    other = HiddenDecoding(HDConfig(**{**model.cfg.__dict__, "mirror_skip": None, **kw}))
+    other = HiddenDecoding(replace(model.cfg, **{"mirror_skip": None, **kw}))
     other.load_state_dict(model.state_dict())
     return other.train(model.training)
 
@@ -185,7 +187,7 @@ def test_mirror_skip_equals_running_every_stream(model, L, shared, impl):
         shared = False
     skip = twin(model, mirror_skip=True, shared_kv=shared, attn_impl=impl).train()
     ref = twin(model, mirror_skip=False, shared_kv=shared, attn_impl="dense").train()
-    assert skip.cfg.mirror_skip and not ref.cfg.mirror_skip
+    assert skip.cfg.final_stream_skip and not ref.cfg.final_stream_skip
     idx = torch.randint(model.cfg.vocab_size, (2, L + 1))
     a, la = skip(idx[:, :-1], idx[:, 1:])
     b, lb = ref(idx[:, :-1], idx[:, 1:])
@@ -201,9 +203,20 @@ def test_mirror_skip_equals_running_every_stream(model, L, shared, impl):
 
 
 def test_mirror_skip_is_on_by_default_only_where_exact():
-    assert hd_cfg(kv_mirror=True).mirror_skip is True
-    assert hd_cfg(kv_mirror=False).mirror_skip is False
-    assert hd_cfg(kv_mirror=True, objective="sum").mirror_skip is False
+    assert hd_cfg(kv_mirror=True).final_stream_skip is True
+    assert hd_cfg(kv_mirror=False).final_stream_skip is False
+    assert hd_cfg(kv_mirror=True, objective="sum").final_stream_skip is False
+
+
+def test_config_copies_and_replaces_like_any_dataclass():
+    cfg = hd_cfg(kv_mirror=True)
+    assert replace(cfg) == cfg and cfg.mirror_skip is None  # the skip is resolved, not written back
+    off = replace(cfg, kv_mirror=False)  # raised before: mirror_skip had been set to True
+    assert off.mirror_skip is None and not off.final_stream_skip
+    assert replace(off, kv_mirror=True) == cfg
+    assert replace(cfg, objective="sum").final_stream_skip is False
+    with pytest.raises(ValueError, match="mirror_skip"):
+        replace(cfg, mirror_skip=True, objective="all")
 
 
 @pytest.mark.parametrize("objective", ["final", "all", "sum"])
@@ -387,6 +400,10 @@ def test_cuda_compiled_model_equals_eager():
     (dict(objective="all", mirror_skip=True), "mirror_skip"),
     (dict(objective="sum", mirror_skip=True), "mirror_skip"),
     (dict(kv_mirror=False, mirror_skip=True), "mirror_skip"),
+    (dict(layout=None), "layout"),
+    (dict(layout=123), "layout"),
+    (dict(n_streams=True), "n_streams"),
+    (dict(mirror_skip="on"), "mirror_skip"),
 ])
 def test_bad_config_raises(kw, words):
     with pytest.raises(ValueError, match=words):
@@ -412,3 +429,10 @@ def test_bad_inputs_raise_one_clear_error():
         model(torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3), -1))
     with pytest.raises(ValueError, match="integer tensor"):
         model(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="n_new must be an int"):
+        expand_streams(model, 4.0)
+    flex = HiddenDecoding(hd_cfg(attn_impl="flex"))
+    with pytest.raises(ValueError, match="forward only on CPU"):
+        flex(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
+    with torch.no_grad():
+        flex(torch.zeros(1, 3, dtype=torch.long))  # forward only: fine

@@ -6,6 +6,7 @@ rotation, a hand-written masked softmax, and full forwards over each prefix.
 
 import math
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 import torch
@@ -345,9 +346,9 @@ def test_greedy_generate_equals_argmax_of_full_forwards(c, seed):
 def test_sampling_is_reproducible_and_respects_top_k():
     model = build(dict(n_layer=3, kv_mirror=True, heads=(6, 2), rope_fraction=0.25, n_experts=4), 0)
     idx = torch.zeros(1, 3, dtype=torch.long)
-    a = model.generate(idx, 10, top_k=1, generator=torch.Generator().manual_seed(5))
+    a = model.generate(idx, 10, sample_top_k=1, generator=torch.Generator().manual_seed(5))
     b = model.generate(idx, 10, temperature=0)
-    assert torch.equal(a, b)  # top_k=1 is greedy whatever the temperature
+    assert torch.equal(a, b)  # sample_top_k=1 is greedy whatever the temperature
     c1 = model.generate(idx, 10, temperature=2.0, generator=torch.Generator().manual_seed(5))
     c2 = model.generate(idx, 10, temperature=2.0, generator=torch.Generator().manual_seed(5))
     assert torch.equal(c1, c2)
@@ -415,17 +416,29 @@ def test_too_long_input_raises():
     (dict(balance_gamma=float("nan")), "balance_gamma"),
     (dict(rope_fraction=float("nan")), "rope_fraction"),
     (dict(n_experts=4, top_k=1.5), "top_k"),
+    (dict(vocab_size=True), "vocab_size"),  # a bool is not a count
+    (dict(n_experts=4, top_k=True), "top_k"),
+    (dict(rope_fraction="0.25"), "rope_fraction"),  # a string, not a number
+    (dict(kv_mirror="yes"), "kv_mirror"),
 ])
 def test_invalid_config_raises_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         small_cfg(**kw)
 
 
+def test_config_copies_and_replaces_like_any_dataclass():
+    cfg = small_cfg()
+    assert replace(cfg) == cfg
+    assert replace(replace(cfg, kv_mirror=False), kv_mirror=True) == cfg
+    with pytest.raises(ValueError, match="top_k"):
+        replace(cfg, top_k=9)
+
+
 def test_sample_rejects_bad_arguments():
     with pytest.raises(ValueError, match="temperature"):
         moe.sample(torch.zeros(1, 5), temperature=-1)
-    with pytest.raises(ValueError, match="top_k"):
-        moe.sample(torch.zeros(1, 5), top_k=6)
+    with pytest.raises(ValueError, match="sample_top_k"):
+        moe.sample(torch.zeros(1, 5), sample_top_k=6)
 
 
 @pytest.mark.parametrize("idx, targets, words", [
@@ -439,6 +452,9 @@ def test_sample_rejects_bad_arguments():
     (torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3), -1), "every target is -1"),
     (torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3), 64), "targets must be ids"),
     (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3), "targets must be an integer tensor"),
+    (torch.zeros(2, 3, dtype=torch.int8), None, "idx must be an integer tensor"),  # nn.Embedding takes int32/64 only
+    (torch.zeros(2, 3, dtype=torch.uint8), None, "idx must be an integer tensor"),
+    (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.int32), "targets must be an integer tensor"),
 ])
 def test_bad_model_inputs_raise_one_clear_error(idx, targets, words):
     model = Transformer(small_cfg(vocab_size=64))
@@ -451,7 +467,7 @@ def test_bad_model_inputs_raise_one_clear_error(idx, targets, words):
     (dict(max_new_tokens=2.5), "max_new_tokens"),
     (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=float("inf")), "temperature"),
-    (dict(top_k=1.5), "top_k"),
+    (dict(sample_top_k=1.5), "sample_top_k"),
     (dict(idx=torch.zeros(1, 0, dtype=torch.long)), "idx must have shape"),
 ])
 def test_bad_generation_arguments_raise_one_clear_error(kw, words):

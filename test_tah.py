@@ -4,6 +4,8 @@ References: a brute-force loop over Eq. 5 plus the existence rule; token-by-toke
 the compute-everything-then-mask path; the backbone alone; hand-computed labels and losses.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,7 +47,7 @@ def mixed_decider(model):
 
 
 def twin(model, **kw):
-    other = ThinkAtHard(TaHConfig(**{**model.cfg.__dict__, **kw})).to(model.backbone.wte.weight.dtype)
+    other = ThinkAtHard(replace(model.cfg, **kw)).to(model.backbone.wte.weight.dtype)
     other.load_state_dict(model.state_dict())
     return other.eval()
 
@@ -514,10 +516,22 @@ def test_cuda_flex_forward_and_backward_equal_dense():
     (dict(lora_alpha=float("nan")), "lora_alpha"),
     (dict(lora_rank=2.5), "lora_rank"),
     (dict(logit_topk=3.0), "logit_topk"),
+    (dict(decider_layers=5), "decider_layers"),
+    (dict(threshold="0.9"), "threshold"),
 ])
 def test_bad_config_raises(kw, words):
     with pytest.raises(ValueError, match=words):
         tah_cfg(**kw)
+
+
+def test_config_copies_and_replaces_like_any_dataclass():
+    cfg = tah_cfg()
+    assert replace(cfg) == cfg and cfg.decider_layers == ()  # the default is resolved, not written back
+    assert cfg.decider_states == (0, 1, 3)
+    deeper = replace(cfg, n_layer=5)  # the default follows the new depth
+    assert deeper.decider_states == (0, 2, 5)
+    assert replace(deeper, n_layer=3) == cfg
+    assert replace(cfg, decider_layers=(1,)).decider_states == (1,)
 
 
 def test_bad_call_raises():
@@ -529,6 +543,10 @@ def test_bad_call_raises():
         model(idx, mode="oracle", depths=torch.tensor([[0, 1, 1, 1]]))
     with pytest.raises(ValueError, match="depths"):
         model(idx, mode="oracle")
+    with pytest.raises(ValueError, match="depths"):
+        model(idx, mode="oracle", depths=[[1, 2, 1, 1]])  # a list, not a tensor
+    with pytest.raises(ValueError, match="forward only on CPU"):
+        twin(model, attn_impl="flex").train()(idx, idx)
     with pytest.raises(ValueError, match="mode"):
         model(idx, mode="sometimes")
     with pytest.raises(ValueError, match="block_size"):

