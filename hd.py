@@ -51,7 +51,13 @@ class HDConfig(ModelConfig):
     shared_kv:   PHD-like control (HD §5.2): in I layers every stream reads one shared per-token
                  K/V for earlier tokens (see `shared_intra`) instead of its own stream's.
     mirror_skip: KV-mirror final-stream skip (HD §3.1): mirrored layers run only final-stream
-                 rows. None = on where exact (objective "final" with kv_mirror).
+                 rows. None = on where exact (objective "final" with kv_mirror). Exact for
+                 every logit and gradient; not for loss-free balancing: under the skip a
+                 mirrored layer's router counts only the final-stream rows (the rows that reach
+                 the loss), without it also the other streams' rows there, whose outputs reach
+                 nothing. The two trainings' router biases therefore drift apart. This project
+                 keeps the skip's counts: the loads the skipped rows would have produced are not
+                 computed, and balancing the experts for rows that feed no output buys nothing.
     attn_impl:   "fast" (F: causal SDPA; I: streams folded into the batch; L and shared-KV I:
                  flex BlockMask on CUDA, dense mask elsewhere), "dense" (every layer a dense
                  mask: the reference) or "flex" (every layer a BlockMask; CPU: forward only).

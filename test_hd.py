@@ -202,6 +202,22 @@ def test_mirror_skip_equals_running_every_stream(model, L, shared, impl):
             torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_under_the_skip_mirrored_routers_count_only_final_stream_rows():
+    """The one thing the skip changes (documented at HDConfig.mirror_skip): the loads that
+    loss-free balancing reads in the mirrored layers."""
+    torch.manual_seed(0)
+    model = HiddenDecoding(hd_cfg(kv_mirror=True, n_streams=2)).train()  # 3 layers: the last is mirrored
+    ref = twin(model, mirror_skip=False).train()
+    B, L, n, k = 2, 5, 2, model.cfg.top_k
+    idx = torch.randint(61, (B, L + 1))
+    model(idx[:, :-1], idx[:, 1:])
+    ref(idx[:, :-1], idx[:, 1:])
+    for skip_block, ref_block in zip(model.backbone.blocks, ref.backbone.blocks):
+        mirrored = skip_block.mirror_source is not None
+        assert skip_block.ffn.step_load.sum() == B * L * k * (1 if mirrored else n)
+        assert ref_block.ffn.step_load.sum() == B * L * k * n
+
+
 def test_mirror_skip_is_on_by_default_only_where_exact():
     assert hd_cfg(kv_mirror=True).final_stream_skip is True
     assert hd_cfg(kv_mirror=False).final_stream_skip is False

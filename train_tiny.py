@@ -95,11 +95,12 @@ class Preset:
     window: int = 16
     block: int = 64  # tokens per sequence
     batch: int = 8  # global batch, sequences
-    iters: int = 300  # HD: n=1 backbone pretraining; --suite all: every from-scratch arm and MoE arm
+    iters: int = 300  # --suite all: every from-scratch HD arm and MoE arm
     lr: float = 3e-3
     warmup: int = 20
     eval_batches: int = 8
-    hd_cont_iters: int = 150  # HD: steps every arm continues from the n=1 checkpoint
+    hd_base_iters: int = 150  # HD: the n=1 backbone every arm continues from
+    hd_cont_iters: int = 80  # HD: steps every arm continues from the n=1 checkpoint
     # TaH: in-context lookups (Lookups) on tah_layers; addition (Arith, --suite all) on add_layers
     symbols: int = 8
     queries: int = 5
@@ -109,13 +110,13 @@ class Preset:
     digits: int = 4
     add_layers: int = 3
     tah_batch: int = 32
-    tah_base_iters: int = 700  # the "base" model every TaH arm starts from
+    tah_base_iters: int = 500  # the "base" model every TaH arm starts from
     tah_base_lr: float = 2e-3
     tah_sft_iters: int = 400  # Standard, AlwaysThink and TaH stage 1, each from the base
     tah_sft_lr: float = 1e-3
     decider_iters: int = 400  # TaH stage 2
     decider_lr: float = 3e-3
-    tah_eval_batches: int = 12
+    tah_eval_batches: int = 10
     seeds: int = 5
     plays: tuple = ("macbeth", "hamlet", "othello", "king-lear")
 
@@ -124,12 +125,12 @@ PRESETS = {
     "cpu": Preset(),
     "gpu": Preset(n_layer=8, n_embd=192, n_head=18, n_kv_head=3, head_dim=32, n_experts=16, top_k=2,
                   expert_hidden=192, ffn_hidden=576, layout="IIFIILII", window=64, block=128,
-                  batch=32, iters=600, lr=2e-3, warmup=50, eval_batches=16, hd_cont_iters=300,
+                  batch=32, iters=600, lr=2e-3, warmup=50, eval_batches=16, hd_base_iters=600, hd_cont_iters=300,
                   digits=6, add_layers=4, tah_batch=64, tah_base_iters=1500, tah_sft_iters=800,
                   decider_iters=1200, seeds=5, plays=()),
     "smoke": Preset(n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8, n_experts=4, expert_hidden=32,
                     ffn_hidden=64, layout="IFL", window=8, block=32, batch=4, iters=4, warmup=2,
-                    eval_batches=1, hd_cont_iters=3, symbols=4, queries=2, digits=2, tah_batch=4,
+                    eval_batches=1, hd_base_iters=4, hd_cont_iters=3, symbols=4, queries=2, digits=2, tah_batch=4,
                     tah_base_iters=4, tah_sft_iters=3, decider_iters=3, tah_eval_batches=1, seeds=1,
                     plays=("macbeth",)),
 }
@@ -415,12 +416,12 @@ def suite_hd(P, args, seed, data, every_arm):
     rows, V = [], data.vocab_size
     torch.manual_seed(seed)
     base = HiddenDecoding(HDConfig(**backbone_cfg(P, V, layout=P.layout, window=P.window, n_streams=1))).to(args.device)
-    train("hd/backbone n=1", base, lm_loss, data, P, args, seed)
+    train("hd/backbone n=1", base, lm_loss, data, replace(P, iters=P.hd_base_iters), args, seed)
     rows += result_rows(HD_N, "n=1 backbone (start of every arm)", seed, evaluate(base, data, P, args))
     rows += result_rows(HD_N, "n=2 just expanded (step 0)", seed, evaluate(expand_streams(base, 2), data, P, args))
     cont = replace(P, iters=P.hd_cont_iters)
     for n, model in hd_continuations(base, HD_CONT_NS, args.device).items():
-        train(f"hd/n={n} continued", model, lm_loss, data, cont, args, seed, first_batch=P.iters)
+        train(f"hd/n={n} continued", model, lm_loss, data, cont, args, seed, first_batch=P.hd_base_iters)
         r = evaluate(model, data, P, args)
         rows += result_rows(HD_N, hd_cont_arm(n), seed, r)
         if n == 2:
@@ -431,7 +432,7 @@ def suite_hd(P, args, seed, data, every_arm):
                 rows += result_rows(effect, arm, seed, headline_n2)
                 continue
             model = expand_streams(base, 2, **overrides).to(args.device)
-            train(f"hd/n=2 continued, {arm}", model, lm_loss, data, cont, args, seed, first_batch=P.iters)
+            train(f"hd/n=2 continued, {arm}", model, lm_loss, data, cont, args, seed, first_batch=P.hd_base_iters)
             rows += result_rows(effect, arm, seed, evaluate(model, data, P, args))
         rows += suite_hd_ablations(P, args, seed, data)
     return rows
@@ -762,7 +763,7 @@ def planned(P, suite, every_arm):
         cont = [a for a in hd_continued_ablation_arms(P) if a[2] is not None] if every_arm else []
         scratch = hd_ablation_arms(P) if every_arm else []
         return (1 + len(HD_CONT_NS) + len(cont) + len(scratch),
-                P.iters + (len(HD_CONT_NS) + len(cont)) * P.hd_cont_iters + len(scratch) * P.iters)
+                P.hd_base_iters + (len(HD_CONT_NS) + len(cont)) * P.hd_cont_iters + len(scratch) * P.iters)
     if suite in ("tah", "tah-add"):  # base, Standard, AlwaysThink, stage 1, stage 2 (+ ablated stage 1s)
         sft = 3 + (len(TAH_ATTENTION_ABLATIONS) if every_arm else 0)
         return 2 + sft, P.tah_base_iters + sft * P.tah_sft_iters + P.decider_iters
