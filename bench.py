@@ -72,7 +72,7 @@ def attention_by_mask(L, ns, device, repeats, B=2, H=8, Hkv=2, D=32):
         arms = {
             "intra, folded": lambda: unfold(attend(f(q), f(k), f(v), "causal").transpose(1, 2), n),
             "intra, dense mask": lambda: attend(q, k, v, m_intra),
-            f"local (window 4n), dense mask": lambda: attend(q, k, v, m_local),
+            "local (window 4n), dense mask": lambda: attend(q, k, v, m_local),
             "full (causal kernel)": lambda: attend(q, k, v, "causal"),
         }
         res[n] = timeit(arms, repeats, device)

@@ -12,7 +12,6 @@ compute-accuracy trade-off.
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 
 @dataclass(frozen=True)
@@ -152,15 +151,11 @@ def pyplot():
     return plt
 
 
-def plot(run_dir, out_dir):
+def plot(curves, out_dir):
+    """Training losses, one panel per suite; curves: (suite, arm) -> per-seed loss lists."""
     plt = pyplot()
-    if plt is None:
+    if plt is None or not curves:
         return None
-    curves = {}  # (suite, arm) -> per-seed loss lists
-    for f in sorted((run_dir / "ckpt").glob("*.pt")):
-        arm, _ = f.stem.rsplit("_s", 1)
-        suite, arm = arm.split("_", 1)
-        curves.setdefault((suite, arm), []).append(torch.load(f, map_location="cpu", weights_only=False)["losses"])
     suites = sorted({s for s, _ in curves})
     fig, axes = plt.subplots(1, len(suites), figsize=(5 * len(suites), 4), squeeze=False)
     for ax, suite in zip(axes[0], suites):

@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -55,20 +56,39 @@ def clean_play(md):
     return text.replace("_", "")
 
 
+def token_digest(tokens, vocab):
+    return hashlib.sha256(tokens.tobytes() + vocab.tobytes()).digest()
+
+
+def read_token_cache(cache):
+    """(tokens, vocab) from a token cache, or None (and one line saying so) if it is damaged:
+    then the text is tokenized again and the cache rewritten."""
+    try:
+        with np.load(cache) as z:
+            tokens, vocab, digest = z["tokens"], z["vocab"], z["sha256"].tobytes()
+        if digest == token_digest(tokens, vocab):
+            return tokens, vocab
+    except Exception:  # truncated, not a zip, a missing array: all mean "damaged"
+        pass
+    print(f"token cache {cache} is damaged; tokenizing the text again", file=sys.stderr)
+    return None
+
+
 class TextData:
     """Token ids in a compact vocabulary (only the BPE ids that occur), 90/10 train/val."""
 
     def __init__(self, text, cache=None):
-        if cache is not None and cache.exists():
-            z = np.load(cache)
-            self.tokens, self.vocab = z["tokens"], z["vocab"]
+        cached = read_token_cache(cache) if cache is not None and cache.exists() else None
+        if cached is not None:
+            self.tokens, self.vocab = cached
         else:
             ids = np.array(load_bpe().encode_ordinary(text), dtype=np.int64)
             self.vocab, self.tokens = np.unique(ids, return_inverse=True)  # compact id -> BPE id
             self.tokens = self.tokens.astype(np.int32)
             if cache is not None:
                 cache.parent.mkdir(parents=True, exist_ok=True)
-                atomic(cache, lambda f: np.savez(f, tokens=self.tokens, vocab=self.vocab))
+                digest = np.frombuffer(token_digest(self.tokens, self.vocab), dtype=np.uint8)
+                atomic(cache, lambda f: np.savez(f, tokens=self.tokens, vocab=self.vocab, sha256=digest))
         self.vocab_size = len(self.vocab)
         a, b = int(0.9 * len(self.tokens)), int(0.95 * len(self.tokens))
         tokens = torch.from_numpy(self.tokens.astype(np.int64))

@@ -37,6 +37,13 @@ def test_text_round_trips_through_bpe_and_compact_ids(tmp_path):
     assert data.decode(data.encode("When shall we three meet again")) == "When shall we three meet again"
     cached = tasks.TextData(text, tmp_path / "t.npz")  # read back from the token file
     assert np.array_equal(cached.tokens, data.tokens) and np.array_equal(cached.vocab, data.vocab)
+    raw = (tmp_path / "t.npz").read_bytes()
+    at = raw.index(data.tokens.tobytes()) + 4  # one bit of one token flipped in the file
+    for damaged in (raw[:len(raw) // 2], raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1:]):
+        (tmp_path / "t.npz").write_bytes(damaged)
+        again = tasks.TextData(text, tmp_path / "t.npz")  # rebuilt, not used as is
+        assert np.array_equal(again.tokens, data.tokens) and np.array_equal(again.vocab, data.vocab)
+        assert tasks.read_token_cache(tmp_path / "t.npz") is not None  # and the cache rewritten
     with pytest.raises(ValueError, match="vocabulary"):
         data.encode("zebra")
 
@@ -156,8 +163,8 @@ def test_two_process_ddp_equals_one_process_with_the_same_global_batch(tmp_path)
     ck2 = sorted((tmp_path / "two").glob("run-*/ckpt/*.pt"))
     assert [p.name for p in ck1] == [p.name for p in ck2] and ck1
     for a, b in zip(ck1, ck2):
-        la = torch.load(a, weights_only=False)["losses"]
-        lb = torch.load(b, weights_only=False)["losses"]
+        la = tt.load_checkpoint(a)["losses"]
+        lb = tt.load_checkpoint(b)["losses"]
         np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-6)
 
 
@@ -410,19 +417,35 @@ def test_non_finite_weights_after_a_finite_loss_are_refused_before_any_save(tmp_
     assert not list(tmp_path.rglob("*.pt"))  # nothing saved
 
 
-def test_a_damaged_checkpoint_gives_one_line_naming_the_file(tmp_path):
+def test_a_damaged_or_foreign_checkpoint_gives_one_line_naming_the_file(tmp_path):
     P = tt.Preset(block=16, batch=4, iters=3, warmup=1, lr=3e-3)
     args = Namespace(device="cpu", run_dir=tmp_path, muon=False, accum=1, log_every=100, ckpt_every=1)
-    tt.train("arm", small(), tt.lm_loss, tt.Arith(2), P, args, seed=0)
-    ckpt = tmp_path / "ckpt" / "arm_s0.pt"
-    state = torch.load(ckpt, weights_only=False)
-    next(v for v in state["model"].values() if v.is_floating_point()).view(-1)[0] = float("nan")
-    torch.save(state, ckpt)
-    with pytest.raises(SystemExit, match="non-finite weights.*--fresh"):
-        tt.train("arm", small(), tt.lm_loss, tt.Arith(2), P, args, seed=0)
-    ckpt.write_bytes(ckpt.read_bytes()[:100])  # truncated
-    with pytest.raises(SystemExit, match=f"{ckpt.name} cannot be resumed"):
-        tt.train("arm", small(), tt.lm_loss, tt.Arith(2), P, args, seed=0)
+    train = lambda name, seed=0: tt.train(name, small(), tt.lm_loss, tt.Arith(2), P, args, seed=seed)
+    train("arm")
+    train("other", seed=1)
+    ckpt, other = tmp_path / "ckpt" / "arm_s0.pt", tmp_path / "ckpt" / "other_s1.pt"
+    good = ckpt.read_bytes()
+    state = tt.load_checkpoint(ckpt)
+    assert state["meta"] == dict(arm="arm", seed=0, iters=3) and state["iter"] == 3
+    at = len(good) // 2  # one changed byte anywhere: the checksum no longer matches
+    ckpt.write_bytes(good[:at] + bytes([good[at] ^ 1]) + good[at + 1:])
+    with pytest.raises(SystemExit, match=f"{ckpt.name} is damaged.*--fresh"):
+        train("arm")
+    ckpt.write_bytes(good[:100])  # truncated
+    with pytest.raises(SystemExit, match=f"{ckpt.name} is damaged"):
+        train("arm")
+    ckpt.write_bytes(other.read_bytes())  # another arm's finished checkpoint copied in place
+    with pytest.raises(SystemExit, match=f"{ckpt.name} holds .*'other'.* not .*'arm'"):
+        train("arm")
+    nan_model = small()
+    with torch.no_grad():
+        for p in nan_model.parameters():
+            p.fill_(float("nan"))
+    tt.save(ckpt, nan_model, [], 3, state["losses"], state["meta"])  # intact, this arm's, non-finite
+    with pytest.raises(SystemExit, match="non-finite weights"):
+        train("arm")
+    ckpt.write_bytes(good)
+    assert train("arm") == state["losses"]  # the intact file is used as it is
 
 
 def test_damaged_rows_file_orphaned_temporaries_and_fresh(tmp_path):
@@ -433,11 +456,19 @@ def test_damaged_rows_file_orphaned_temporaries_and_fresh(tmp_path):
     orphan.write_bytes(b"half")
     tt.main(argv)
     assert not orphan.exists()
-    (run / "rows.json").write_text('[{"suite": "tah", ')
-    with pytest.raises(SystemExit, match="rows.json is damaged"):
-        tt.main(argv)
+    good = (run / "rows.json").read_text()
+    doc = json.loads(good)
+    v = repr(doc["rows"][0]["value"])  # as json wrote it
+    i = good.index(f": {v}") + len(v) + 1  # its last digit
+    one_digit = good[:i] + ("1" if good[i] != "1" else "2") + good[i + 1:]
+    for damaged in ('[{"suite": "tah", ', "{}", "[1]", '[{"suite": "tah"}]', one_digit,
+                    json.dumps({"sha256": doc["sha256"], "rows": [{"suite": "tah"}]})):
+        assert damaged != good
+        (run / "rows.json").write_text(damaged)
+        with pytest.raises(SystemExit, match="rows.json is damaged"):
+            tt.main(argv)
     tt.main(argv + ["--fresh"])
-    assert json.loads((run / "rows.json").read_text())
+    assert json.loads((run / "rows.json").read_text())["rows"]
 
 
 def test_the_run_key_covers_every_source_file_a_run_imports():

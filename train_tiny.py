@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import copy
 import hashlib
+import io
 import json
 import math
 import os
@@ -196,7 +197,8 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None, first_batch=0
     dev = args.device
     ckpt = Path(args.run_dir) / "ckpt" / f"{name.replace('/', '_')}_s{seed}.pt"
     opts = make_optimizer(model, P.lr, args.muon)
-    start, losses = resume(ckpt, model, opts, dev)
+    meta = dict(arm=name, seed=seed, iters=P.iters)
+    start, losses = resume(ckpt, model, opts, dev, meta)
     if 0 < start < P.iters:
         log(f"[{name} s{seed}] resuming at step {start}")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -242,34 +244,55 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None, first_batch=0
                 raise SystemExit(f"error: [{name} s{seed}] the weights are not finite after step {done}; nothing "
                                  f"of this arm is saved or reported (try a lower lr)")
             if MASTER:
-                save(ckpt, model, opts, done, losses)
+                save(ckpt, model, opts, done, losses, meta)
         if on_step is not None:
             on_step(done)
     return losses
 
 
-def resume(ckpt, model, opts, dev):
-    """Load a checkpoint into model and optimizers if one exists: (first step, losses so far)."""
+def load_checkpoint(ckpt, dev="cpu"):
+    """A checkpoint's state, after checking the sha256 of its bytes (written by save)."""
+    raw = ckpt.read_bytes()
+    digest, payload = raw[:64], raw[65:]
+    if hashlib.sha256(payload).hexdigest().encode() != digest:
+        raise SystemExit(f"error: checkpoint {ckpt} is damaged (its checksum does not match its contents); "
+                         f"delete it to train this arm again, or run with --fresh")
+    try:
+        return torch.load(io.BytesIO(payload), map_location=dev, weights_only=False)
+    except Exception as e:
+        raise SystemExit(f"error: checkpoint {ckpt} cannot be read ({type(e).__name__}); delete it to train "
+                         f"this arm again, or run with --fresh")
+
+
+def resume(ckpt, model, opts, dev, meta):
+    """Load a checkpoint into model and optimizers if one exists: (first step, losses so far).
+    It must be this arm's (meta: arm, seed, planned steps), intact and finite."""
     if not ckpt.exists():
         return 0, []
+    state = load_checkpoint(ckpt, dev)
+    fix = "delete it to train this arm again, or run with --fresh"
+    if state.get("meta") != meta or not 0 < state.get("iter", 0) <= meta["iters"]:
+        raise SystemExit(f"error: checkpoint {ckpt} holds {state.get('meta')} at step {state.get('iter')}, "
+                         f"not {meta}; {fix}")
     try:
-        state = torch.load(ckpt, map_location=dev, weights_only=False)
         model.load_state_dict(state["model"])
         for o, s in zip(opts, state["opts"]):
             o.load_state_dict(s)
     except Exception as e:
-        raise SystemExit(f"error: checkpoint {ckpt} cannot be resumed ({type(e).__name__}); "
-                         f"delete it to train this arm again, or run with --fresh")
+        raise SystemExit(f"error: checkpoint {ckpt} cannot be resumed ({type(e).__name__}); {fix}")
     if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
-        raise SystemExit(f"error: checkpoint {ckpt} holds non-finite weights; delete it to train this "
-                         f"arm again, or run with --fresh")
+        raise SystemExit(f"error: checkpoint {ckpt} holds non-finite weights; {fix}")
     return state["iter"], state["losses"]
 
 
-def save(ckpt, model, opts, done, losses):
+def save(ckpt, model, opts, done, losses, meta):
+    """Atomically: the state and what it belongs to (meta), after the sha256 of its bytes."""
     ckpt.parent.mkdir(parents=True, exist_ok=True)
-    state = {"model": model.state_dict(), "opts": [o.state_dict() for o in opts], "iter": done, "losses": losses}
-    atomic(ckpt, lambda f: torch.save(state, f))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opts": [o.state_dict() for o in opts], "iter": done,
+                "losses": losses, "meta": meta}, buf)
+    payload = buf.getvalue()
+    atomic(ckpt, lambda f: f.write(hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload))
 
 
 def average_over_ranks(params, total, dev):
@@ -923,7 +946,7 @@ def main(argv=None):
                 continue
             rows += [{**r, "suite": suite} for r in SUITES[suite](P, args, seed, data[suite], args.every_arm)]
             if MASTER:
-                atomic(rows_path, lambda f: f.write(json.dumps(rows, indent=1).encode()))
+                save_rows(rows_path, rows)
     if MASTER:
         report(rows, args, P, out, argv, time.time() - t0)
     if DDP:
@@ -950,12 +973,42 @@ def open_run(args, P, text, out):
     return args.run_dir / "rows.json"
 
 
+ROW_KEYS = {"suite", "effect", "paper", "arm", "metric", "seed", "value"}
+
+
+def rows_digest(rows):
+    return hashlib.sha256(json.dumps(rows, indent=1).encode()).hexdigest()
+
+
+def save_rows(path, rows):
+    """The finished rows, with the sha256 load_rows checks."""
+    atomic(path, lambda f: f.write(json.dumps({"sha256": rows_digest(rows), "rows": rows}, indent=1).encode()))
+
+
 def load_rows(path):
+    """The rows of the finished (suite, seed)s, or one line naming the file if it was changed."""
+    if not path.exists():
+        return []
     try:
-        return json.loads(path.read_text()) if path.exists() else []
-    except ValueError:
-        raise SystemExit(f"error: {path} is damaged; delete it (the checkpoints beside it are reused), "
-                         f"or run with --fresh")
+        doc = json.loads(path.read_text())
+        rows = doc["rows"]
+        ok = doc["sha256"] == rows_digest(rows) and all(isinstance(r, dict) and r.keys() == ROW_KEYS for r in rows)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise SystemExit(f"error: {path} is damaged (unreadable, or its checksum does not match); delete it "
+                         f"(the checkpoints beside it are reused), or run with --fresh")
+    return rows
+
+
+def loss_curves(run_dir):
+    """(suite, arm) -> per-seed training losses, from the checkpoints' own record."""
+    curves = {}
+    for f in sorted((run_dir / "ckpt").glob("*.pt")):
+        state = load_checkpoint(f)
+        suite, arm = state["meta"]["arm"].split("/", 1)
+        curves.setdefault((suite, arm), []).append(state["losses"])
+    return curves
 
 
 def report(rows, args, P, out, argv, seconds):
@@ -973,7 +1026,7 @@ def report(rows, args, P, out, argv, seconds):
         {"preset": asdict(P), "device": dev, "eval_set": args.eval_split, "rule": RULE, "summary": summary,
          "verdicts": verdicts}, indent=1).encode()))
     sweeps = plot_sweep(summary, out, eval_set, [TAH.sweep.name, TAH_ADD.sweep.name], (STANDARD, ALWAYS))
-    png = [p for p in (plot(args.run_dir, out), sweeps) if p]
+    png = [p for p in (plot(loss_curves(args.run_dir), out), sweeps) if p]
     log("\n" + md + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in png))
 
 
