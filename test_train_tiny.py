@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 import report
 import tasks
 import train_tiny as tt
+import trainer
 from moe import ModelConfig, Transformer
 
 HERE = Path(__file__).parent
@@ -365,15 +366,15 @@ def test_cuda_device_without_cuda_is_refused(capsys):
 
 
 def test_rank_without_world_size_is_one_clear_error():
-    assert tt.dist_env({}) == (False, 0, 1)
+    assert trainer.dist_env({}) == (False, 0, 1)
     launched = {"LOCAL_RANK": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}  # what torchrun sets
-    assert tt.dist_env({"RANK": "1", "WORLD_SIZE": "2", **launched}) == (True, 1, 2)
+    assert trainer.dist_env({"RANK": "1", "WORLD_SIZE": "2", **launched}) == (True, 1, 2)
     with pytest.raises(SystemExit, match="WORLD_SIZE"):
-        tt.dist_env({"RANK": "0"})
+        trainer.dist_env({"RANK": "0"})
     with pytest.raises(SystemExit, match="not in"):
-        tt.dist_env({"RANK": "3", "WORLD_SIZE": "2", **launched})
+        trainer.dist_env({"RANK": "3", "WORLD_SIZE": "2", **launched})
     with pytest.raises(SystemExit, match="MASTER_ADDR, MASTER_PORT not: launch with torchrun"):
-        tt.dist_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+        trainer.dist_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
 
 
 @pytest.mark.parametrize("content, words", [(b"", "empty"), (b"\x00\x01\x02binary\x00" * 50, "binary"),
@@ -441,7 +442,7 @@ def test_a_damaged_or_foreign_checkpoint_gives_one_line_naming_the_file(tmp_path
     with torch.no_grad():
         for p in nan_model.parameters():
             p.fill_(float("nan"))
-    tt.save(ckpt, nan_model, [], 3, state["losses"], state["meta"])  # intact, this arm's, non-finite
+    trainer.save(ckpt, nan_model, [], 3, state["losses"], state["meta"])  # intact, this arm's, non-finite
     with pytest.raises(SystemExit, match="non-finite weights"):
         train("arm")
     ckpt.write_bytes(good)
@@ -535,13 +536,33 @@ def test_flops_per_token_counts_active_experts_and_expanded_rows():
     m1 = tt.Transformer(tt.ModelConfig(**base, top_k=1))
     m2 = tt.Transformer(tt.ModelConfig(**base, top_k=2))
     routed = sum(p.numel() for n, p in m1.named_parameters() if n.endswith(("w_gate_up", "w_down")))
-    assert tt.flops_per_token(m2, T) - tt.flops_per_token(m1, T) == pytest.approx(6 * routed / 4)
+    assert trainer.flops_per_token(m2, T) - trainer.flops_per_token(m1, T) == pytest.approx(6 * routed / 4)
     dense = sum(p.numel() for n, p in m1.named_parameters()
                 if p.ndim >= 2 and "wte" not in n and not n.endswith(("w_gate_up", "w_down")))
     attention = 12 * 3 * 6 * 8 * T / 2
-    assert tt.flops_per_token(m1, T) == pytest.approx(6 * (dense + routed / 4) + attention)
+    assert trainer.flops_per_token(m1, T) == pytest.approx(6 * (dense + routed / 4) + attention)
     hd = tt.HiddenDecoding(tt.HDConfig(**base, top_k=1, n_streams=2, layout="IFL"))
-    assert tt.flops_per_token(hd, T) == pytest.approx(2 * (6 * (dense + routed / 4) + 2 * attention))
+    assert trainer.flops_per_token(hd, T) == pytest.approx(2 * (6 * (dense + routed / 4) + 2 * attention))
+
+
+def test_rehearsal_runs_every_arm_of_the_gpu_preset_for_two_steps():
+    args = tt.parse(["--rehearse"])
+    gpu, P = tt.PRESETS["gpu"], args.P
+    assert args.every_arm and args.suites == list(tt.SUITES) and args.out == "out-rehearsal"
+    assert (P.n_layer, P.n_embd, P.block, P.batch, P.tah_batch) == (gpu.n_layer, gpu.n_embd, gpu.block, gpu.batch,
+                                                                   gpu.tah_batch)
+    assert {P.iters, P.hd_base_iters, P.hd_cont_iters, P.tah_base_iters, P.tah_sft_iters, P.decider_iters} == {2}
+    with pytest.raises(SystemExit):
+        tt.parse(["--rehearse", "--smoke"])
+
+
+def test_counting_saved_measures_what_autograd_keeps_for_backward():
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(16, 16))
+    saved = {}
+    with trainer.counting_saved(saved):
+        y = torch.tanh(x @ w)  # keeps x (for w's gradient) and tanh's output; w itself is not counted
+    assert sum(saved.values()) == x.numel() * 4 + y.numel() * 4
 
 
 def test_preset_fields_are_flags_the_nanogpt_way():

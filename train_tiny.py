@@ -6,9 +6,9 @@ Tiny training runs that show each effect of the three papers with numbers.
     python train_tiny.py --smoke              # every suite's code path in seconds
     torchrun --nproc_per_node=8 train_tiny.py # DDP: the global batch split over ranks
 
-Read in the order a run happens: process setup, presets, the trainer, the suites (each with its
-effects, arms, protocol and claims), the command line, main. The data lives in tasks.py
-(Shakespeare through cl100k BPE for HD and MoE; in-context lookups and addition for TaH), the
+Read in the order a run happens: the presets, the suites (each with its effects, arms, protocol
+and claims), the command line, main. The data lives in tasks.py (Shakespeare through cl100k BPE
+for HD and MoE; in-context lookups and addition for TaH), the training loop in trainer.py, the
 verdicts, tables and plots in report.py.
 
 Each arm trains from the same seed on the same batches; results (mean and spread over seeds,
@@ -17,10 +17,8 @@ the paper's figure beside them) are printed as a markdown table and written to
 """
 
 import argparse
-import contextlib
 import copy
 import hashlib
-import io
 import json
 import math
 import os
@@ -40,36 +38,7 @@ from moe import ModelConfig, Transformer
 from report import RULE, Claim, Effect, judge, plot, plot_sweep, summarize, table
 from tah import TaHConfig, ThinkAtHard, oracle_depths
 from tasks import Arith, Lookups, atomic, load_text
-
-
-# -----------------------------------------------------------------------------
-# Process setup (torchrun): read once, before anything else
-
-
-def dist_env(env):
-    """(ddp, rank, world) from torchrun's variables, with one clear error when they do not fit."""
-    if env.get("RANK") is None:
-        return False, 0, 1
-    try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    except (KeyError, ValueError):
-        raise SystemExit(f"error: RANK={env.get('RANK')!r} needs an integer WORLD_SIZE (got "
-                         f"{env.get('WORLD_SIZE')!r}); launch with torchrun, or unset RANK")
-    if not 0 <= rank < world:
-        raise SystemExit(f"error: RANK={rank} is not in [0, WORLD_SIZE={world})")
-    missing = [k for k in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
-    if missing:
-        raise SystemExit(f"error: RANK is set but {', '.join(missing)} not: launch with torchrun, or unset RANK")
-    return True, rank, world
-
-
-DDP, RANK, WORLD = dist_env(os.environ)
-MASTER = RANK == 0
-
-
-def log(*a):
-    if MASTER:
-        print(*a, flush=True)
+from trainer import DDP, MASTER, PROGRESS, batch_gen, evaluate, load_checkpoint, log, train
 
 
 # -----------------------------------------------------------------------------
@@ -135,224 +104,6 @@ PRESETS = {
                     tah_base_iters=4, tah_sft_iters=3, decider_iters=3, tah_eval_batches=1, seeds=1,
                     plays=("macbeth",)),
 }
-
-
-# -----------------------------------------------------------------------------
-# The trainer: the same loop for every arm
-
-
-def batch_gen(seed, it, split):
-    """The global batch of iteration `it` depends only on (seed, it, split): resuming and any
-    world size see the same tokens."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + it * 2 + (split != "train"))
-
-
-class Progress:
-    """Overall progress of one invocation: training steps planned and done, for the ETA."""
-
-    def __init__(self):
-        self.total, self.done, self.arm, self.arms, self.t0 = 0, 0, 0, 0, time.time()
-
-    def line(self):
-        el = time.time() - self.t0
-        left = el / self.done * (self.total - self.done) if self.done else float("nan")
-        return (f"arm {self.arm}/{self.arms} | {self.done}/{self.total} steps | elapsed {el / 60:.1f} min"
-                + (f" | ~{left / 60:.1f} min left" if self.done else ""))
-
-
-PROGRESS = Progress()
-
-
-def backbone_of(model):
-    return model if isinstance(model, Transformer) else model.backbone
-
-
-def make_optimizer(model, lr, muon):
-    params = [p for p in model.parameters() if p.requires_grad]
-    if muon:  # Muon for 2-D weight matrices inside the blocks; AdamW for the rest
-        mats = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim == 2 and ".blocks." in f".{n}"]
-        ids = {id(p) for p in mats}
-        rest = [p for p in params if id(p) not in ids]
-        return [torch.optim.Muon(mats, lr=lr, adjust_lr_fn="match_rms_adamw"),
-                torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)]
-    decay = [p for p in params if p.ndim >= 2]
-    other = [p for p in params if p.ndim < 2]
-    return [torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                              lr=lr, betas=(0.9, 0.95), fused=True)]  # fused: one kernel per step
-
-
-def lr_at(it, P):
-    if it < P.warmup:
-        return P.lr * (it + 1) / P.warmup
-    frac = (it - P.warmup) / max(1, P.iters - P.warmup)
-    return P.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
-
-
-def train(name, model, loss_fn, data, P, args, seed, on_step=None, first_batch=0):
-    """Train `model` for P.iters steps with loss_fn(model, x, y) on the batches of steps
-    first_batch, first_batch + 1, ... of the seed's stream (a later stage passes the steps
-    run before it, so it sees new batches); checkpoint every args.ckpt_every steps
-    (atomically) and resume from the checkpoint if one exists. Returns the list of training
-    losses (one per step)."""
-    dev = args.device
-    ckpt = Path(args.run_dir) / "ckpt" / f"{name.replace('/', '_')}_s{seed}.pt"
-    opts = make_optimizer(model, P.lr, args.muon)
-    meta = dict(arm=name, seed=seed, iters=P.iters)
-    start, losses = resume(ckpt, model, opts, dev, meta)
-    if 0 < start < P.iters:
-        log(f"[{name} s{seed}] resuming at step {start}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    micro = P.batch // (WORLD * args.accum)
-    if micro < 1 or P.batch % (WORLD * args.accum):
-        raise SystemExit(f"error: batch {P.batch} does not split into {WORLD} ranks x {args.accum} micro-steps")
-    autocast = torch.autocast("cuda", torch.bfloat16) if dev.startswith("cuda") else contextlib.nullcontext()
-    fwd_model = torch.compile(model) if getattr(args, "compile", False) else model  # shares the weights
-    PROGRESS.arm += 1
-    PROGRESS.done += start
-    log(f"[{name} s{seed}] {P.iters} steps, lr {P.lr:g}, batch {P.batch} | {PROGRESS.line()}")
-    t0 = time.perf_counter()
-    for it in range(start, P.iters):
-        for o in opts:
-            for g in o.param_groups:
-                g["lr"] = lr_at(it, P)
-        x, y = data.batch("train", P.batch, P.block, batch_gen(seed, first_batch + it, "train"))
-        total = 0.0
-        for m in range(args.accum):
-            lo = (m * WORLD + RANK) * micro  # this rank's rows of the global batch
-            with autocast:
-                loss = loss_fn(fwd_model, x[lo:lo + micro].to(dev), y[lo:lo + micro].to(dev)) / args.accum
-            loss.backward()
-            total += loss.item()
-        if DDP:
-            total = average_over_ranks(params, total, dev)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        for o in opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
-        if any(p.requires_grad for p in backbone_of(model).parameters()):
-            backbone_of(model).update_router_bias()  # loss-free balancing, after the step
-        if not math.isfinite(total):
-            raise SystemExit(f"error: [{name} s{seed}] loss is {total} at step {it + 1}; nothing after it "
-                             f"is reported (try a lower lr)")
-        losses.append(total)
-        PROGRESS.done += 1
-        done = it + 1
-        if done % args.log_every == 0 or done == P.iters:
-            log_step(name, seed, done, P, total, (time.perf_counter() - t0) / (done - start), model, dev)
-        if done % args.ckpt_every == 0 or done == P.iters:
-            if not all(torch.isfinite(p).all() for p in params):  # a finite loss can still leave NaN weights
-                raise SystemExit(f"error: [{name} s{seed}] the weights are not finite after step {done}; nothing "
-                                 f"of this arm is saved or reported (try a lower lr)")
-            if MASTER:
-                save(ckpt, model, opts, done, losses, meta)
-        if on_step is not None:
-            on_step(done)
-    return losses
-
-
-def load_checkpoint(ckpt, dev="cpu"):
-    """A checkpoint's state, after checking the sha256 of its bytes (written by save)."""
-    raw = ckpt.read_bytes()
-    digest, payload = raw[:64], raw[65:]
-    if hashlib.sha256(payload).hexdigest().encode() != digest:
-        raise SystemExit(f"error: checkpoint {ckpt} is damaged (its checksum does not match its contents); "
-                         f"delete it to train this arm again, or run with --fresh")
-    try:
-        return torch.load(io.BytesIO(payload), map_location=dev, weights_only=False)
-    except Exception as e:
-        raise SystemExit(f"error: checkpoint {ckpt} cannot be read ({type(e).__name__}); delete it to train "
-                         f"this arm again, or run with --fresh")
-
-
-def resume(ckpt, model, opts, dev, meta):
-    """Load a checkpoint into model and optimizers if one exists: (first step, losses so far).
-    It must be this arm's (meta: arm, seed, planned steps), intact and finite."""
-    if not ckpt.exists():
-        return 0, []
-    state = load_checkpoint(ckpt, dev)
-    fix = "delete it to train this arm again, or run with --fresh"
-    if state.get("meta") != meta or not 0 < state.get("iter", 0) <= meta["iters"]:
-        raise SystemExit(f"error: checkpoint {ckpt} holds {state.get('meta')} at step {state.get('iter')}, "
-                         f"not {meta}; {fix}")
-    try:
-        model.load_state_dict(state["model"])
-        for o, s in zip(opts, state["opts"]):
-            o.load_state_dict(s)
-    except Exception as e:
-        raise SystemExit(f"error: checkpoint {ckpt} cannot be resumed ({type(e).__name__}); {fix}")
-    if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
-        raise SystemExit(f"error: checkpoint {ckpt} holds non-finite weights; {fix}")
-    return state["iter"], state["losses"]
-
-
-def save(ckpt, model, opts, done, losses, meta):
-    """Atomically: the state and what it belongs to (meta), after the sha256 of its bytes."""
-    ckpt.parent.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opts": [o.state_dict() for o in opts], "iter": done,
-                "losses": losses, "meta": meta}, buf)
-    payload = buf.getvalue()
-    atomic(ckpt, lambda f: f.write(hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload))
-
-
-def average_over_ranks(params, total, dev):
-    """Average gradients and the loss over DDP ranks by hand: with routing (MoE, TaH depths) the
-    set of parameters that receive a gradient can differ between ranks, which DDP's hooks do
-    not allow."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-    t = torch.tensor(total, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.AVG)
-    return t.item()
-
-
-def log_step(name, seed, done, P, loss, dt, model, dev):
-    tok = P.batch * P.block / dt
-    mfu = ""
-    if dev.startswith("cuda"):  # model FLOPs per token (as nanoGPT's estimate_mfu), vs 989 TFLOP/s bf16 (H100/H200)
-        mfu = f" | mfu {flops_per_token(model, P.block) * tok / 989e12:.2%}"
-    log(f"[{name} s{seed}] step {done}/{P.iters} | loss {loss:.4f} | {dt * 1e3:.0f} ms/step | "
-        f"{tok / 1e3:.1f}k tok/s{mfu} | {PROGRESS.line()}")
-
-
-def flops_per_token(model, T):
-    """Training FLOPs per input token (forward + backward = 3x forward), counting what runs:
-    6 per weight a row passes through (only top_k of the routed experts, not the embedding
-    lookups), plus attention's 12 * layers * heads * head_dim * (keys seen ~ rows / 2), times
-    the rows a token becomes (HD: n streams; TaH: one pass, depth >= 1 not counted)."""
-    body = backbone_of(model)
-    cfg = body.cfg
-    n = getattr(cfg, "n_streams", 1)
-    per_row = 0
-    for name, p in body.named_parameters():
-        if "wte" in name or p.ndim < 2:
-            continue
-        share = cfg.top_k / cfg.n_experts if name.endswith(("w_gate_up", "w_down")) else 1.0
-        per_row += share * p.numel()
-    attention = 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * (n * T) / 2
-    return n * (6 * per_row + attention)
-
-
-@torch.no_grad()
-def evaluate(model, data, P, args, fwd=None):
-    """Held-out loss and accuracy of the next-token prediction (targets != -1 only), over the
-    same fixed batches for every arm and seed (the dev set with --dev). fwd(model, x, y) ->
-    (logits, loss)."""
-    model.eval()
-    fwd = fwd or (lambda m, x, y: m(x, y)[:2])
-    losses, hits, count = [], 0, 0
-    for k in range(P.eval_batches):
-        x, y = data.batch(args.eval_split, P.batch, P.block, batch_gen(args.eval_seed, k, args.eval_split))
-        x, y = x.to(args.device), y.to(args.device)
-        logits, loss = fwd(model, x, y)
-        losses.append(loss.item())
-        keep = y != -1
-        hits += (logits.argmax(-1)[keep] == y[keep]).sum().item()
-        count += keep.sum().item()
-    model.train()
-    return {"loss": float(np.mean(losses)), "acc": hits / max(count, 1)}
 
 
 # -----------------------------------------------------------------------------
@@ -850,6 +601,9 @@ def parse(argv):
                          "list of hd,tah,moe")
     ap.add_argument("--preset", choices=sorted(PRESETS), help="the budget; default: gpu with CUDA, cpu without")
     ap.add_argument("--smoke", action="store_true", help="every suite's code path, tiny and fast (its own preset)")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="the gpu preset's every arm at its full shapes, 2 steps each, here (bf16 autocast on CPU): "
+                         "parameter counts, activation memory, and any error a GPU run would meet early")
     ap.add_argument("--data", help="train the HD and MoE suites on this UTF-8 text file instead of Shakespeare")
     ap.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-steps")
     ap.add_argument("--muon", action="store_true", help="Muon for 2-D weights in the blocks, AdamW for the rest")
@@ -878,6 +632,8 @@ def parse(argv):
         ap.error(f"--suite {args.suite} names a suite twice")
     if args.smoke and args.preset:
         ap.error("--smoke is its own preset; give --smoke or --preset, not both")
+    if args.rehearse and (args.smoke or args.preset or args.suite != "headline"):
+        ap.error("--rehearse runs every suite of the gpu preset; give it without --smoke, --preset or --suite")
     if not args.out.strip():
         ap.error("--out must name a folder")
     if args.data and not any(s in ("hd", "moe") for s in names):
@@ -896,12 +652,17 @@ def parse(argv):
             ap.error(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s)")
     args.preset_name = "smoke" if args.smoke else args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")
     P = PRESETS[args.preset_name]
+    if args.rehearse:  # the gpu shapes, every arm, 2 steps each, one seed, one evaluation batch
+        args.preset_name, names = "gpu (rehearsal)", every
+        P = replace(PRESETS["gpu"], iters=2, hd_base_iters=2, hd_cont_iters=2, tah_base_iters=2, tah_sft_iters=2,
+                    decider_iters=2, warmup=1, eval_batches=1, tah_eval_batches=1, seeds=1)
+        args.out = args.out if args.out != "out" else "out-rehearsal"
     args.P = replace(P, **{f.name: getattr(args, f.name) for f in fields(Preset) if hasattr(args, f.name)})
     problem = check_preset(args.P)
     if problem:
         ap.error(problem)
     args.suites = names
-    args.every_arm = args.suite == "all" or args.smoke
+    args.every_arm = args.suite == "all" or args.smoke or args.rehearse
     args.eval_split, args.eval_seed = ("dev", 104729) if args.dev else ("val", 7919)
     return args
 
@@ -954,7 +715,7 @@ def main(argv=None):
 
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("moe.py", "hd.py", "tah.py", "tasks.py", "report.py", "train_tiny.py")  # all that can change a result
+SOURCES = ("moe.py", "hd.py", "tah.py", "tasks.py", "trainer.py", "report.py", "train_tiny.py")  # all that can change a result
 
 
 def open_run(args, P, text, out):
@@ -963,7 +724,7 @@ def open_run(args, P, text, out):
     code = [hashlib.sha256((HERE / f).read_bytes()).hexdigest() for f in SOURCES]
     data_key = hashlib.sha256(text.tokens.tobytes()).hexdigest() if text is not None else None
     key = hashlib.sha256(json.dumps([asdict(P), args.muon, args.accum, args.device, args.threads, args.dev, data_key,
-                                     code, args.every_arm, args.compile]).encode()).hexdigest()[:10]
+                                     code, args.every_arm, args.compile, args.rehearse]).encode()).hexdigest()[:10]
     args.run_dir = out / f"run-{key}"
     if args.fresh and MASTER and args.run_dir.exists():
         shutil.rmtree(args.run_dir)

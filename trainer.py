@@ -1,0 +1,292 @@
+"""
+The trainer of train_tiny.py: one loop for every arm of every suite.
+
+torchrun's process setup (read once, at import), the batch stream (the batch of step `it` depends
+only on (seed, it, split), so resuming and any world size see the same tokens), AdamW or Muon
+with warmup and cosine decay, gradient accumulation, DDP by hand (routing lets ranks touch
+different parameters), checkpoints that carry their arm and a checksum and resume exactly, the
+progress line, and held-out evaluation.
+"""
+
+import contextlib
+import hashlib
+import io
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moe import Transformer
+from tasks import atomic
+
+
+# -----------------------------------------------------------------------------
+# Process setup (torchrun): read once, before anything else
+
+
+def dist_env(env):
+    """(ddp, rank, world) from torchrun's variables, with one clear error when they do not fit."""
+    if env.get("RANK") is None:
+        return False, 0, 1
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        raise SystemExit(f"error: RANK={env.get('RANK')!r} needs an integer WORLD_SIZE (got "
+                         f"{env.get('WORLD_SIZE')!r}); launch with torchrun, or unset RANK")
+    if not 0 <= rank < world:
+        raise SystemExit(f"error: RANK={rank} is not in [0, WORLD_SIZE={world})")
+    missing = [k for k in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise SystemExit(f"error: RANK is set but {', '.join(missing)} not: launch with torchrun, or unset RANK")
+    return True, rank, world
+
+
+DDP, RANK, WORLD = dist_env(os.environ)
+MASTER = RANK == 0
+
+
+def log(*a):
+    if MASTER:
+        print(*a, flush=True)
+
+
+# -----------------------------------------------------------------------------
+# The trainer: the same loop for every arm
+
+
+def batch_gen(seed, it, split):
+    """The global batch of iteration `it` depends only on (seed, it, split): resuming and any
+    world size see the same tokens."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + it * 2 + (split != "train"))
+
+
+class Progress:
+    """Overall progress of one invocation: training steps planned and done, for the ETA."""
+
+    def __init__(self):
+        self.total, self.done, self.arm, self.arms, self.t0 = 0, 0, 0, 0, time.time()
+
+    def line(self):
+        el = time.time() - self.t0
+        left = el / self.done * (self.total - self.done) if self.done else float("nan")
+        return (f"arm {self.arm}/{self.arms} | {self.done}/{self.total} steps | elapsed {el / 60:.1f} min"
+                + (f" | ~{left / 60:.1f} min left" if self.done else ""))
+
+
+PROGRESS = Progress()
+
+
+def backbone_of(model):
+    return model if isinstance(model, Transformer) else model.backbone
+
+
+def make_optimizer(model, lr, muon):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if muon:  # Muon for 2-D weight matrices inside the blocks; AdamW for the rest
+        mats = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim == 2 and ".blocks." in f".{n}"]
+        ids = {id(p) for p in mats}
+        rest = [p for p in params if id(p) not in ids]
+        return [torch.optim.Muon(mats, lr=lr, adjust_lr_fn="match_rms_adamw"),
+                torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)]
+    decay = [p for p in params if p.ndim >= 2]
+    other = [p for p in params if p.ndim < 2]
+    return [torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                              lr=lr, betas=(0.9, 0.95), fused=True)]  # fused: one kernel per step
+
+
+def lr_at(it, P):
+    if it < P.warmup:
+        return P.lr * (it + 1) / P.warmup
+    frac = (it - P.warmup) / max(1, P.iters - P.warmup)
+    return P.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def train(name, model, loss_fn, data, P, args, seed, on_step=None, first_batch=0):
+    """Train `model` for P.iters steps with loss_fn(model, x, y) on the batches of steps
+    first_batch, first_batch + 1, ... of the seed's stream (a later stage passes the steps
+    run before it, so it sees new batches); checkpoint every args.ckpt_every steps
+    (atomically) and resume from the checkpoint if one exists. Returns the list of training
+    losses (one per step)."""
+    dev = args.device
+    ckpt = Path(args.run_dir) / "ckpt" / f"{name.replace('/', '_')}_s{seed}.pt"
+    opts = make_optimizer(model, P.lr, args.muon)
+    meta = dict(arm=name, seed=seed, iters=P.iters)
+    start, losses = resume(ckpt, model, opts, dev, meta)
+    if 0 < start < P.iters:
+        log(f"[{name} s{seed}] resuming at step {start}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    micro = P.batch // (WORLD * args.accum)
+    if micro < 1 or P.batch % (WORLD * args.accum):
+        raise SystemExit(f"error: batch {P.batch} does not split into {WORLD} ranks x {args.accum} micro-steps")
+    rehearse = getattr(args, "rehearse", False)
+    autocast = (torch.autocast("cuda", torch.bfloat16) if dev.startswith("cuda") else
+                torch.autocast("cpu", torch.bfloat16) if rehearse else contextlib.nullcontext())
+    fwd_model = torch.compile(model) if getattr(args, "compile", False) else model  # shares the weights
+    PROGRESS.arm += 1
+    PROGRESS.done += start
+    log(f"[{name} s{seed}] {P.iters} steps, lr {P.lr:g}, batch {P.batch} | {PROGRESS.line()}")
+    t0 = time.perf_counter()
+    for it in range(start, P.iters):
+        for o in opts:
+            for g in o.param_groups:
+                g["lr"] = lr_at(it, P)
+        x, y = data.batch("train", P.batch, P.block, batch_gen(seed, first_batch + it, "train"))
+        total = 0.0
+        for m in range(args.accum):
+            lo = (m * WORLD + RANK) * micro  # this rank's rows of the global batch
+            saved = {}  # storage -> bytes of what autograd keeps for backward (measured in a rehearsal)
+            with autocast, counting_saved(saved) if rehearse and it == start and m == 0 else contextlib.nullcontext():
+                loss = loss_fn(fwd_model, x[lo:lo + micro].to(dev), y[lo:lo + micro].to(dev)) / args.accum
+            if saved:
+                log(f"[{name} s{seed}] rehearsal: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters "
+                    f"({sum(p.numel() for p in params) / 1e6:.2f}M trained); ~{sum(saved.values()) / 2**20:.0f} MiB "
+                    f"of activations kept for backward per micro-batch of {micro} x {P.block} tokens (bf16)")
+            loss.backward()
+            total += loss.item()
+        if DDP:
+            total = average_over_ranks(params, total, dev)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        if any(p.requires_grad for p in backbone_of(model).parameters()):
+            backbone_of(model).update_router_bias()  # loss-free balancing, after the step
+        if not math.isfinite(total):
+            raise SystemExit(f"error: [{name} s{seed}] loss is {total} at step {it + 1}; nothing after it "
+                             f"is reported (try a lower lr)")
+        losses.append(total)
+        PROGRESS.done += 1
+        done = it + 1
+        if done % args.log_every == 0 or done == P.iters:
+            log_step(name, seed, done, P, total, (time.perf_counter() - t0) / (done - start), model, dev)
+        if done % args.ckpt_every == 0 or done == P.iters:
+            if not all(torch.isfinite(p).all() for p in params):  # a finite loss can still leave NaN weights
+                raise SystemExit(f"error: [{name} s{seed}] the weights are not finite after step {done}; nothing "
+                                 f"of this arm is saved or reported (try a lower lr)")
+            if MASTER:
+                save(ckpt, model, opts, done, losses, meta)
+        if on_step is not None:
+            on_step(done)
+    return losses
+
+
+@contextlib.contextmanager
+def counting_saved(saved):
+    """Record the storages autograd keeps for backward (parameters excluded): the activation
+    memory of a step, as a rehearsal reports it."""
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def load_checkpoint(ckpt, dev="cpu"):
+    """A checkpoint's state, after checking the sha256 of its bytes (written by save)."""
+    raw = ckpt.read_bytes()
+    digest, payload = raw[:64], raw[65:]
+    if hashlib.sha256(payload).hexdigest().encode() != digest:
+        raise SystemExit(f"error: checkpoint {ckpt} is damaged (its checksum does not match its contents); "
+                         f"delete it to train this arm again, or run with --fresh")
+    try:
+        return torch.load(io.BytesIO(payload), map_location=dev, weights_only=False)
+    except Exception as e:
+        raise SystemExit(f"error: checkpoint {ckpt} cannot be read ({type(e).__name__}); delete it to train "
+                         f"this arm again, or run with --fresh")
+
+
+def resume(ckpt, model, opts, dev, meta):
+    """Load a checkpoint into model and optimizers if one exists: (first step, losses so far).
+    It must be this arm's (meta: arm, seed, planned steps), intact and finite."""
+    if not ckpt.exists():
+        return 0, []
+    state = load_checkpoint(ckpt, dev)
+    fix = "delete it to train this arm again, or run with --fresh"
+    if state.get("meta") != meta or not 0 < state.get("iter", 0) <= meta["iters"]:
+        raise SystemExit(f"error: checkpoint {ckpt} holds {state.get('meta')} at step {state.get('iter')}, "
+                         f"not {meta}; {fix}")
+    try:
+        model.load_state_dict(state["model"])
+        for o, s in zip(opts, state["opts"]):
+            o.load_state_dict(s)
+    except Exception as e:
+        raise SystemExit(f"error: checkpoint {ckpt} cannot be resumed ({type(e).__name__}); {fix}")
+    if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
+        raise SystemExit(f"error: checkpoint {ckpt} holds non-finite weights; {fix}")
+    return state["iter"], state["losses"]
+
+
+def save(ckpt, model, opts, done, losses, meta):
+    """Atomically: the state and what it belongs to (meta), after the sha256 of its bytes."""
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opts": [o.state_dict() for o in opts], "iter": done,
+                "losses": losses, "meta": meta}, buf)
+    payload = buf.getvalue()
+    atomic(ckpt, lambda f: f.write(hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload))
+
+
+def average_over_ranks(params, total, dev):
+    """Average gradients and the loss over DDP ranks by hand: with routing (MoE, TaH depths) the
+    set of parameters that receive a gradient can differ between ranks, which DDP's hooks do
+    not allow."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    t = torch.tensor(total, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    return t.item()
+
+
+def log_step(name, seed, done, P, loss, dt, model, dev):
+    tok = P.batch * P.block / dt
+    mfu = ""
+    if dev.startswith("cuda"):  # model FLOPs per token (as nanoGPT's estimate_mfu), vs 989 TFLOP/s bf16 (H100/H200)
+        mfu = f" | mfu {flops_per_token(model, P.block) * tok / 989e12:.2%}"
+    log(f"[{name} s{seed}] step {done}/{P.iters} | loss {loss:.4f} | {dt * 1e3:.0f} ms/step | "
+        f"{tok / 1e3:.1f}k tok/s{mfu} | {PROGRESS.line()}")
+
+
+def flops_per_token(model, T):
+    """Training FLOPs per input token (forward + backward = 3x forward), counting what runs:
+    6 per weight a row passes through (only top_k of the routed experts, not the embedding
+    lookups), plus attention's 12 * layers * heads * head_dim * (keys seen ~ rows / 2), times
+    the rows a token becomes (HD: n streams; TaH: one pass, depth >= 1 not counted)."""
+    body = backbone_of(model)
+    cfg = body.cfg
+    n = getattr(cfg, "n_streams", 1)
+    per_row = 0
+    for name, p in body.named_parameters():
+        if "wte" in name or p.ndim < 2:
+            continue
+        share = cfg.top_k / cfg.n_experts if name.endswith(("w_gate_up", "w_down")) else 1.0
+        per_row += share * p.numel()
+    attention = 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * (n * T) / 2
+    return n * (6 * per_row + attention)
+
+
+@torch.no_grad()
+def evaluate(model, data, P, args, fwd=None):
+    """Held-out loss and accuracy of the next-token prediction (targets != -1 only), over the
+    same fixed batches for every arm and seed (the dev set with --dev). fwd(model, x, y) ->
+    (logits, loss)."""
+    model.eval()
+    fwd = fwd or (lambda m, x, y: m(x, y)[:2])
+    losses, hits, count = [], 0, 0
+    for k in range(P.eval_batches):
+        x, y = data.batch(args.eval_split, P.batch, P.block, batch_gen(args.eval_seed, k, args.eval_split))
+        x, y = x.to(args.device), y.to(args.device)
+        logits, loss = fwd(model, x, y)
+        losses.append(loss.item())
+        keep = y != -1
+        hits += (logits.argmax(-1)[keep] == y[keep]).sum().item()
+        count += keep.sum().item()
+    model.train()
+    return {"loss": float(np.mean(losses)), "acc": hits / max(count, 1)}
