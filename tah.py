@@ -366,12 +366,13 @@ class ThinkAtHard(nn.Module):
         q_depth = torch.full_like(q_pos, d)
         cache.add(q_pos, q_depth, valid)
         mod = duo_causal(q_pos, q_depth, cache.pos, cache.depth, cache.valid, cfg.attention)
-        if cfg.attn_impl == "dense" and d == 0 and cache.pos.size(1) == Tq:
+        Tk = cache.pos.size(1)
+        if cfg.attn_impl == "dense" and d == 0 and Tk == Tq:
             mask = "causal"  # depth 0 of a fresh sequence: every token, no deeper keys yet, so Eq. 5 is causal
         elif cfg.attn_impl == "flex":
-            mask = create_block_mask(mod, B, None, Tq, cache.pos.size(1), device=x.device)
+            mask = create_block_mask(mod, B, None, Tq, Tk, device=x.device)
         else:
-            mask = dense_batch_mask(mod, B, Tq, cache.pos.size(1), x.device)
+            mask = dense_batch_mask(mod, B, Tq, Tk, x.device)
         kept = {0: x}  # hidden states as the authors index them: 0 the input, i + 1 block i's output
 
         def layer(i, block, x, kv_u):

@@ -391,6 +391,10 @@ def test_stage2_loss_trains_only_the_decider_on_oracle_labels(max_depth):
         return total / k
     torch.testing.assert_close(loss, brute())
     torch.testing.assert_close(model.stage2_loss(idx, depths, pos_weight=4.8)[0], brute(4.8))
+    with torch.no_grad():  # the scores: the decider on a forward that runs every pass (stage 2 skips the last)
+        full = model(idx, mode="oracle", depths=depths, features=True)
+        ref_scores = torch.cat([model.decider(p.features.rows(p.valid)) for p in full.passes[:max_depth - 1]])
+    torch.testing.assert_close(scores.detach(), ref_scores)
     loss.backward()
     for name, p in model.named_parameters():
         if name.startswith("decider."):
