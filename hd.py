@@ -29,7 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from moe import ModelConfig, Transformer, attend, cached_generate, check_flex, check_tokens, dense_mask, upcast
+from moe import (KVCache, ModelConfig, Transformer, attend, cached_generate, check_flex, check_tokens, dense_mask,
+                 upcast)
 
 # -----------------------------------------------------------------------------
 # Config
@@ -175,26 +176,53 @@ def unfold(x, n):
     return x.view(Bn // n, n, L, *x.shape[2:]).transpose(1, 2).reshape(Bn // n, L * n, *x.shape[2:])
 
 
+class StreamCache(KVCache):
+    """The KV cache of an intra-stream (I) layer in cached decoding: every stream's rows are
+    kept, grouped by stream, (B, n, Hkv, block_size, hd), and written in place. update takes
+    the new rows interleaved (t = i*n + k, as the layer computes them) and returns each
+    stream's rows as one view, (B*n, Hkv, S, hd) for the S tokens so far, so reading them
+    copies nothing. (An interleaved cache would have to be regrouped by stream, a copy of
+    every cached row, at every step.) len() counts rows, as KVCache's does."""
+
+    def __init__(self, n, block_size):
+        super().__init__(n * block_size)
+        self.n, self.tokens = n, block_size
+
+    def update(self, k, v):
+        n, (B, H, rows, D) = self.n, k.shape
+        if self.len + rows > self.capacity:
+            raise ValueError(f"KV cache full: it holds {self.tokens} tokens x {n} streams, {self.len // n} tokens "
+                             f"are written and {rows // n} more do not fit")
+        if self.k is None:
+            self.k, self.v = (x.new_zeros(B, n, H, self.tokens, D) for x in (k, v))
+        S, L = self.len // n, rows // n
+        for buf, x in ((self.k, k), (self.v, v)):  # (B, H, L*n, D) -> (B, n, H, L, D), into place
+            buf[:, :, :, S:S + L] = x.view(B, H, L, n, D).permute(0, 3, 1, 2, 4)
+        self.len += rows
+        return (buf.view(B * n, H, self.tokens, D)[:, :, :S + L] for buf in (self.k, self.v))
+
+
 class OwnStream:
     """Intra-stream attention in cached decoding (HD §3.2): each new row reads only its own
-    stream's rows of the cache. The cache interleaves every stream's rows (t = i*n + k), so they are regrouped
-    by stream and each query meets S keys (the S tokens so far) instead of n*S keys under a mask
-    that discards (n-1)/n of them. Passed to attend in place of a mask. final_only: the queries
-    are final-stream rows only (the KV-mirror skip)."""
+    stream's rows, which a StreamCache hands over grouped by stream, (B*n, h, S, d): each query
+    meets S keys (the S tokens so far) instead of n*S keys under a mask that discards (n-1)/n
+    of them. Passed to attend in place of a mask. final_only: the queries are final-stream rows
+    only (the KV-mirror skip), which read the final stream's keys."""
 
     def __init__(self, n, final_only):
         self.n, self.final_only = n, final_only
 
     def __call__(self, q, k, v):
-        n = self.n
-        S = k.size(2) // n  # tokens with rows in the cache, the new ones included
+        n, B = self.n, q.size(0)
+        S = k.size(2)  # tokens with rows in the cache, the new ones included
         Lq = q.size(2) if self.final_only else q.size(2) // n  # new tokens
         # new token j is token S - Lq + j: it sees tokens <= itself (all of them when Lq = 1)
         mask = None if Lq == 1 else torch.arange(S, device=q.device) <= torch.arange(S - Lq, S, device=q.device)[:, None]
         if self.final_only:
-            return attend(q, k[:, :, n - 1::n], v[:, :, n - 1::n], mask)
-        by_stream = lambda x: fold(x.transpose(1, 2), n).transpose(1, 2)  # (B, h, T*n, d) -> (B*n, h, T, d)
-        y = attend(by_stream(q), by_stream(k), by_stream(v), mask)
+            final = lambda x: x.view(B, n, *x.shape[1:])[:, n - 1]  # (B*n, h, S, d) -> stream n-1's (B, h, S, d)
+            return attend(q, final(k), final(v), mask)
+        by_stream = lambda x: fold(x.transpose(1, 2), n).transpose(1, 2)  # (B, h, L*n, d) -> (B*n, h, L, d)
+        y = attend(by_stream(q), k, v, mask)
         return unfold(y.transpose(1, 2), n).transpose(1, 2)
 
 
@@ -265,7 +293,7 @@ def attention_path(cfg, i, cached, final_only, device):
         return "recent"
     if letter == "F" and not cached and not final_only:
         return "causal"
-    return "block" if device.type == "cuda" and not cached else "dense"
+    return "block" if not cached and device.type == "cuda" else "dense"
 
 
 # -----------------------------------------------------------------------------
@@ -296,6 +324,14 @@ class HiddenDecoding(nn.Module):
         """Index of the first layer that runs final-stream rows only, or None (no skip)."""
         return self.cfg.n_layer - self.cfg.n_layer // 3 if self.cfg.final_stream_skip else None
 
+    def make_caches(self):
+        """One KV cache per layer for cached decoding, room for block_size tokens (n rows each):
+        a StreamCache where the layer reads its own stream ("own"), else an interleaved KVCache."""
+        cfg, skip = self.cfg, self.skip_from()
+        return [StreamCache(cfg.n_streams, cfg.block_size)
+                if attention_path(cfg, i, True, skip is not None and i >= skip, None) == "own"
+                else KVCache(cfg.n_streams * cfg.block_size) for i in range(cfg.n_layer)]
+
     def hidden(self, idx, caches=None):
         """Final residual states: (B, L*n, C), or (B, L, C) final-stream rows under the skip."""
         cfg, n = self.cfg, self.cfg.n_streams
@@ -313,6 +349,10 @@ class HiddenDecoding(nn.Module):
             if i == skip:
                 x = x[:, rows.final]
             path = attention_path(cfg, i, cache is not None, final_only, idx.device)
+            if (path == "own") != isinstance(cache, StreamCache):
+                raise ValueError(f"layer {i}'s cache is a {type(cache).__name__}, its cached path needs "
+                                 f"{'a StreamCache' if path == 'own' else 'a KVCache'}: take caches from "
+                                 "model.make_caches()")
             if final_only:  # queries: final-stream rows; keys: every row's (the source layer's input)
                 q_pos = rows.pos[rows.final]
                 if path == "fold":  # the final stream attends to its own rows only

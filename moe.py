@@ -150,18 +150,43 @@ def apply_rope(x, pos, rope_dim, base):
 
 
 class KVCache:
-    """Keys and values of one layer for cached decoding; grows by concatenation."""
+    """Keys and values of one layer for cached decoding.
 
-    def __init__(self):
+    capacity (rows): allocated once, at the first write, and written in place, as a serving
+    engine's static cache: a step writes its new rows and attention reads a view of the rows
+    so far, so nothing already cached is copied again. Unwritten rows hold zeros (finite, so a
+    masked-out row contributes exactly nothing). capacity None: grows by concatenation, for a
+    single forward that writes more than once under autograd (TaH's passes), where an in-place
+    write would change what an earlier pass saved for its backward.
+    """
+
+    def __init__(self, capacity=None):
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"capacity must be None or an int >= 1, got {capacity!r}")
+        self.capacity, self.len = capacity, 0
         self.k = self.v = None
 
     def __len__(self):
-        return 0 if self.k is None else self.k.size(2)
+        return self.len  # a Python int: reading it never waits on the device
 
     def update(self, k, v):
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v
+        """Append k, v (B, Hkv, T, hd); return the K and V of every row so far."""
+        T = k.size(2)
+        if self.capacity is None:
+            self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+            self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+            self.len += T
+            return self.k, self.v
+        if self.len + T > self.capacity:
+            raise ValueError(f"KV cache full: it holds {self.capacity} rows, {self.len} are written and "
+                             f"{T} more do not fit")
+        if self.k is None:
+            self.k = k.new_zeros(*k.shape[:2], self.capacity, k.size(3))
+            self.v = v.new_zeros(*v.shape[:2], self.capacity, v.size(3))
+        self.k[:, :, self.len:self.len + T] = k
+        self.v[:, :, self.len:self.len + T] = v
+        self.len += T
+        return self.k[:, :, :self.len], self.v[:, :, :self.len]
 
 
 class Attention(nn.Module):
@@ -189,7 +214,8 @@ class Attention(nn.Module):
 
         kv_u/kv_pos: where keys and values come from instead of u/pos: the source layer's
         normalized input under KV-Mirror (and, in hd.py's final-stream skip, more rows than u).
-        cache: a KVCache; the new K/V are appended and attention reads all of it.
+        cache: a KVCache (or anything with its update); the new K/V are appended and
+        attention reads every row it returns.
         """
         B, T, _ = u.shape
         q = self.q_proj(u).view(B, T, self.cfg.n_head, -1).transpose(1, 2)  # (B, H, T, hd)
@@ -403,7 +429,10 @@ class Transformer(nn.Module):
         if start + T > self.cfg.block_size:
             raise ValueError(f"sequence of {start + T} positions exceeds block_size={self.cfg.block_size}")
         pos = torch.arange(start, start + T, device=idx.device)
-        mask = "causal" if start == 0 else dense_mask(causal, pos, torch.arange(start + T, device=idx.device))
+        if start == 0:
+            mask = "causal"
+        else:  # a single new token sees every cached row: no mask to build
+            mask = None if T == 1 else dense_mask(causal, pos, torch.arange(start + T, device=idx.device))
 
         def layer(i, block, x, kv_u):  # hd.py and tah.py write their own (masks, streams, depths)
             return block(x, pos, mask, kv_u=kv_u, cache=None if caches is None else caches[i])
@@ -428,6 +457,10 @@ class Transformer(nn.Module):
         loads = [m.update_bias(gamma) for m in self.moe_layers()]
         return torch.stack(loads) if loads else torch.zeros(0, 0)
 
+    def make_caches(self):
+        """One KV cache per layer for cached decoding, room for block_size tokens each."""
+        return [KVCache(self.cfg.block_size) for _ in self.blocks]
+
     def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None):
         """Sample max_new_tokens after idx (B, T) with a KV cache; temperature 0 is greedy."""
         return cached_generate(self, idx, max_new_tokens, temperature, sample_top_k, generator)
@@ -436,9 +469,10 @@ class Transformer(nn.Module):
 @torch.no_grad()
 def cached_generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None):
     """Sample max_new_tokens after idx (B, T) with one KV cache per layer; temperature 0 is
-    greedy. Serves any model whose forward(idx, caches=...) continues its caches (moe, hd)."""
+    greedy. Serves any model whose forward(idx, caches=...) continues the caches its
+    make_caches() gives (moe, hd)."""
     check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
-    caches = [KVCache() for _ in range(model.cfg.n_layer)]
+    caches = model.make_caches()
     logits, _ = model(idx, caches=caches)
     for _ in range(max_new_tokens):
         nxt = sample(logits[:, -1], temperature, sample_top_k, generator)
@@ -447,23 +481,33 @@ def cached_generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=No
     return idx
 
 
-def check_tokens(idx, targets, vocab_size):
+def check_tokens(idx, targets, vocab_size, values=None):
     """Model inputs: idx (B, T) integer ids in [0, vocab_size) with B, T >= 1; targets None or
-    integer ids of exactly idx's shape in [0, vocab_size), -1 = ignored, at least one kept."""
+    integer ids of exactly idx's shape in [0, vocab_size), -1 = ignored, at least one kept.
+
+    Types and shapes are always checked (free). values: also check the ids themselves; None =
+    where that is free, on CPU. On CUDA, reading a min or a max makes the host wait for the
+    device, once per forward, so there a forward skips it: generate checks its prompt once per
+    call, and an id out of range still stops at the embedding's (or cross-entropy's) own
+    device-side bounds check rather than giving a number.
+    """
     if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"idx must be an integer tensor of token ids (int64 or int32, as nn.Embedding takes), "
                          f"got {getattr(idx, 'dtype', type(idx))}")
     if idx.dim() != 2 or idx.numel() == 0:
         raise ValueError(f"idx must have shape (B, T) with B, T >= 1, got {tuple(idx.shape)}")
+    if targets is not None:
+        if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
+            raise ValueError(f"targets must be an integer tensor (int64, as cross_entropy takes), "
+                             f"got {getattr(targets, 'dtype', type(targets))}")
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+    if not (idx.device.type == "cpu" if values is None else values):
+        return
     if idx.min() < 0 or idx.max() >= vocab_size:
         raise ValueError(f"idx must hold ids in [0, vocab_size={vocab_size}), got [{idx.min().item()}, {idx.max().item()}]")
     if targets is None:
         return
-    if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
-        raise ValueError(f"targets must be an integer tensor (int64, as cross_entropy takes), "
-                         f"got {getattr(targets, 'dtype', type(targets))}")
-    if targets.shape != idx.shape:
-        raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
     if targets.min() < -1 or targets.max() >= vocab_size:
         raise ValueError(f"targets must be ids in [0, vocab_size={vocab_size}) or -1 (ignored), got "
                          f"[{targets.min().item()}, {targets.max().item()}]")
@@ -479,8 +523,9 @@ def check_flex(attn_impl, device):
 
 
 def check_generation(idx, max_new_tokens, temperature, sample_top_k, cfg):
-    """generate's arguments, for any model config (moe, hd, tah): one clear error each."""
-    check_tokens(idx, None, cfg.vocab_size)
+    """generate's arguments, for any model config (moe, hd, tah): one clear error each. The
+    prompt's ids are checked here on every device (one wait per call, not one per step)."""
+    check_tokens(idx, None, cfg.vocab_size, values=True)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if idx.size(1) + max_new_tokens > cfg.block_size:

@@ -214,15 +214,27 @@ class Decider(nn.Module):
 
 
 class TaHCache:
-    """Per-layer K/V of every (position, depth) state computed so far, with their lookups.
-    Rows are appended pass by pass; the mask reads positions and depths, not row order."""
+    """Per-layer K/V of every (position, depth) state computed so far, with their lookups:
+    position, depth and whether the state exists, (B, rows) tensors. Every batch row gets the
+    same row slots per pass; a batch row a pass skips (or a padded query) leaves its slot
+    marked absent, and the mask reads positions and depths, not row order.
 
-    def __init__(self, n_layer, B, device):
-        self.layers = [KVCache() for _ in range(n_layer)]
-        self.pos = torch.zeros(B, 0, dtype=torch.long, device=device)
-        self.depth = torch.zeros(B, 0, dtype=torch.long, device=device)
-        self.valid = torch.zeros(B, 0, dtype=torch.bool, device=device)
+    capacity (rows): preallocated and written in place (decoding: model.make_cache); None:
+    grows by concatenation (one training forward, whose passes must stay in the autograd graph).
+    """
+
+    def __init__(self, n_layer, B, device, capacity=None):
+        self.layers = [KVCache(capacity) for _ in range(n_layer)]
+        self.capacity, self.len = capacity, 0
+        rows = capacity or 0
+        self._pos = torch.zeros(B, rows, dtype=torch.long, device=device)
+        self._depth = torch.zeros(B, rows, dtype=torch.long, device=device)
+        self._valid = torch.zeros(B, rows, dtype=torch.bool, device=device)
         self.next_pos = 0  # position of the next token
+
+    pos = property(lambda self: self._pos[:, :self.len])
+    depth = property(lambda self: self._depth[:, :self.len])
+    valid = property(lambda self: self._valid[:, :self.len])
 
     def reserve(self, T, block_size):
         """Claim positions for T new tokens; returns the first one."""
@@ -232,17 +244,53 @@ class TaHCache:
         self.next_pos += T
         return start
 
-    def add(self, pos, depth, valid):
-        self.pos = torch.cat([self.pos, pos], 1)
-        self.depth = torch.cat([self.depth, depth], 1)
-        self.valid = torch.cat([self.valid, valid], 1)
+    def add(self, pos, depth, valid, rows=None):
+        """New row slots for one pass: the states (pos, depth, valid) (B', Tq) of batch rows
+        `rows` (B',), None = every row; the other rows' slots are absent."""
+        if rows is not None:
+            pos, depth, valid = (x.new_zeros(self._pos.size(0), x.size(1)).index_copy(0, rows, x)
+                                 for x in (pos, depth, valid))
+        Tq = pos.size(1)
+        if self.capacity is None:
+            self._pos, self._depth, self._valid = (torch.cat([a, b], 1) for a, b in
+                                                   ((self._pos, pos), (self._depth, depth), (self._valid, valid)))
+        else:
+            if self.len + Tq > self.capacity:
+                raise ValueError(f"TaH cache full: it holds {self.capacity} rows, {self.len} are written and "
+                                 f"{Tq} more do not fit")
+            for buf, x in ((self._pos, pos), (self._depth, depth), (self._valid, valid)):
+                buf[:, self.len:self.len + Tq] = x
+        self.len += Tq
+
+    def layer(self, i, rows=None):
+        """Layer i's K/V cache as a pass over batch rows `rows` sees it (None: every row)."""
+        return self.layers[i] if rows is None else RowsOf(self.layers[i], rows)
+
+
+class RowsOf:
+    """A layer's KV cache seen by a pass that runs batch rows `rows` only: their new K/V go
+    into those rows' slots (the other rows' slots get zeros, marked absent in the lookups), and
+    attention reads those rows' K/V (a copy of theirs alone; the other rows' are not touched)."""
+
+    def __init__(self, cache, rows):
+        self.cache, self.rows = cache, rows
+
+    def update(self, k, v):
+        B = self.cache.k.size(0) if self.cache.k is not None else None
+        if B is None:
+            raise ValueError("a pass over some batch rows needs a cache that every row has written")
+        k, v = (x.new_zeros(B, *x.shape[1:]).index_copy(0, self.rows, x) for x in (k, v))
+        k, v = self.cache.update(k, v)
+        return k.index_select(0, self.rows), v.index_select(0, self.rows)
 
 
 @dataclass
 class DepthPass:
-    """What one depth computed: query rows sel (B, Tq) token indices, valid (B, Tq), final
-    hidden states (B, Tq, C), the decider's inputs and raw scores (B, Tq) where computed."""
+    """What one depth computed: the batch rows it ran, rows (B',) (every row at depth 0; deeper,
+    those with a token going on), query rows sel (B', Tq) token indices, valid (B', Tq), final
+    hidden states (B', Tq, C), the decider's inputs and raw scores (B', Tq) where computed."""
     depth: int
+    rows: torch.Tensor
     sel: torch.Tensor
     valid: torch.Tensor
     hidden: torch.Tensor
@@ -259,9 +307,11 @@ class TaHOutput:
     passes: list = field(default_factory=list)
 
 
-def gather(t, sel):
-    """Rows sel (B, Tq) of t (B, T, ...) for each batch row: (B, Tq, ...)."""
-    return t[torch.arange(t.size(0), device=t.device)[:, None], sel]
+def gather(t, sel, rows=None):
+    """t[rows[b], sel[b, q]]: the tokens sel (B', Tq) of batch rows rows (B',) of t (B, T, ...),
+    as (B', Tq, ...); rows None: every batch row (B' = B)."""
+    rows = torch.arange(t.size(0), device=t.device) if rows is None else rows
+    return t[rows[:, None], sel]
 
 
 def check_routing(mode, idx, targets, depths, cfg):
@@ -275,7 +325,10 @@ def check_routing(mode, idx, targets, depths, cfg):
             raise ValueError("mode 'oracle' needs depths of the same shape as idx")
         if depths.dtype.is_floating_point or depths.dtype == torch.bool:
             raise ValueError(f"depths must be integers (passes per token), got {depths.dtype}")
-        if depths.min() < 1 or depths.max() > max_depth:
+        if depths.device.type != "cpu":  # no wait for the device: an assert the device checks
+            torch._assert_async((depths >= 1).all() & (depths <= max_depth).all(),
+                                f"depths must be in [1, max_depth={max_depth}]")
+        elif depths.min() < 1 or depths.max() > max_depth:
             raise ValueError(f"depths must be in [1, max_depth={max_depth}], got "
                              f"[{depths.min().item()}, {depths.max().item()}]")
 
@@ -314,24 +367,29 @@ class ThinkAtHard(nn.Module):
         check_routing(mode, idx, targets, depths, cfg)
         check_flex(cfg.attn_impl, idx.device)
         B, T = idx.shape
-        cache = cache or TaHCache(cfg.n_layer, B, idx.device)
+        if cache is None:
+            cache = TaHCache(cfg.n_layer, B, idx.device)
+        elif cache._pos.size(0) != B:
+            raise ValueError(f"the cache holds {cache._pos.size(0)} batch rows, idx has {B}")
         start = cache.reserve(T, cfg.block_size)
         summed = first = None  # (B, T, V): logits summed over the depths run so far; depth 0's
         ran = torch.zeros(B, T, dtype=torch.long, device=idx.device)  # passes each token ran
         active = torch.ones(B, T, dtype=torch.bool, device=idx.device)  # tokens that run depth d
         passes = []
         for d in range(cfg.max_depth):
-            if not active.any():
-                break
-            sel, valid = self.select(active, d)
-            x = self.backbone.wte(gather(idx, sel)) if d == 0 else self.next_input(gather(summed, sel))
-            h, kept = self.run_pass(x, start + sel, d, valid, cache)
-            logits = self.backbone.lm_head(self.backbone.norm_f(h))  # (B, Tq, V)
-            summed, ran = self.accumulate(summed, ran, logits, sel, valid, d, T)
+            rows = self.batch_rows(active, d)
+            if rows is not None and rows.numel() == 0:
+                break  # no token goes on
+            sel, valid = self.select(active if rows is None else active[rows], d)
+            rows = torch.arange(B, device=idx.device) if rows is None else rows
+            x = self.backbone.wte(gather(idx, sel, rows)) if d == 0 else self.next_input(gather(summed, sel, rows))
+            h, kept = self.run_pass(x, start + sel, d, valid, cache, None if rows.numel() == B else rows)
+            logits = self.backbone.lm_head(self.backbone.norm_f(h))  # (B', Tq, V)
+            summed, ran = self.accumulate(summed, ran, logits, rows, sel, valid, d)
             first = summed if d == 0 else first
-            p = DepthPass(d, sel, valid, h)
+            p = DepthPass(d, rows, sel, valid, h)
             if mode == "decider" or features:
-                topv = torch.topk(upcast(gather(summed, sel)), cfg.logit_topk, dim=-1).values
+                topv = torch.topk(upcast(gather(summed, sel, rows)), cfg.logit_topk, dim=-1).values
                 p.features = DeciderInput([kept[l] for l in cfg.decider_states],
                                           topv.to(self.decider.logit_proj.weight.dtype))  # its weights' dtype
                 p.score = self.decider(p.features) if mode == "decider" else None
@@ -343,11 +401,21 @@ class ThinkAtHard(nn.Module):
             loss = F.cross_entropy(upcast(summed.flatten(0, 1)), targets.flatten(), ignore_index=-1)
         return TaHOutput(summed, loss, ran, first, passes)
 
+    def batch_rows(self, active, d):
+        """The batch rows depth d runs: None = every row (depth 0, and gather=False, the
+        reference, which computes every token); else, with gather=True, the rows with a token
+        going on, (B',), possibly none. A row with nothing to do costs nothing: in batched
+        decoding the second pass runs only the rows whose token continues."""
+        if d == 0 or not self.cfg.gather:
+            return None if d == 0 or active.any() else active.new_zeros(0, dtype=torch.long)
+        rows = active.any(1).nonzero().squeeze(1)  # one wait for the device, as the dynamic shape needs
+        return None if rows.numel() == active.size(0) else rows
+
     def select(self, active, d):
-        """The query rows of depth d: sel (B, Tq) token indices, valid (B, Tq). Depth 0 runs every
-        token in order; a deeper depth with gather=True left-packs each row's active tokens in
-        position order, with gather=False it runs every token and masks the inactive ones (the
-        reference)."""
+        """The query rows of depth d among the batch rows it runs: sel (B', Tq) token indices,
+        valid (B', Tq). Depth 0 runs every token in order; a deeper depth with gather=True
+        left-packs each row's active tokens in position order, with gather=False it runs every
+        token and masks the inactive ones (the reference)."""
         if d == 0:  # every token
             sel = torch.arange(active.size(1), device=active.device).expand_as(active)
             return sel, torch.ones_like(active)
@@ -357,16 +425,19 @@ class ThinkAtHard(nn.Module):
             return sel, torch.arange(sel.size(1), device=sel.device) < n_act[:, None]
         return torch.arange(active.size(1), device=active.device).expand_as(active), active
 
-    def run_pass(self, x, q_pos, d, valid, cache):
-        """One pass of the backbone at depth d over the query rows x (B, Tq, C) at positions
-        q_pos: their keys join the cache, the duo-causal mask reads all of it (Eq. 5), and the
-        LoRA adapter is on at depth >= 1 (Eq. 6). Returns the final states and the outputs of
-        the decider's layers."""
+    def run_pass(self, x, q_pos, d, valid, cache, rows=None):
+        """One pass of the backbone at depth d over the query rows x (B', Tq, C) at positions
+        q_pos of batch rows `rows` (None: every row): their keys join the cache, the duo-causal
+        mask reads all of those rows' cache (Eq. 5), and the LoRA adapter is on at depth >= 1
+        (Eq. 6). Returns the final states and the outputs of the decider's layers."""
         cfg, B, Tq = self.cfg, x.size(0), x.size(1)
         q_depth = torch.full_like(q_pos, d)
-        cache.add(q_pos, q_depth, valid)
-        mod = duo_causal(q_pos, q_depth, cache.pos, cache.depth, cache.valid, cfg.attention)
-        Tk = cache.pos.size(1)
+        cache.add(q_pos, q_depth, valid, rows)
+        lookups = [cache.pos, cache.depth, cache.valid]
+        if rows is not None:
+            lookups = [t.index_select(0, rows) for t in lookups]
+        mod = duo_causal(q_pos, q_depth, *lookups, cfg.attention)
+        Tk = cache.len
         if cfg.attn_impl == "dense" and d == 0 and Tk == Tq:
             mask = "causal"  # depth 0 of a fresh sequence: every token, no deeper keys yet, so Eq. 5 is causal
         elif cfg.attn_impl == "flex":
@@ -376,7 +447,7 @@ class ThinkAtHard(nn.Module):
         kept = {0: x}  # hidden states as the authors index them: 0 the input, i + 1 block i's output
 
         def layer(i, block, x, kv_u):
-            x, u = block(x, q_pos, mask, kv_u=kv_u, cache=cache.layers[i])
+            x, u = block(x, q_pos, mask, kv_u=kv_u, cache=cache.layer(i, rows))
             kept[i + 1] = x
             return x, u
         self.set_lora(d >= 1)  # Eq. 6: theta at depth 0, theta + Delta deeper
@@ -386,22 +457,19 @@ class ThinkAtHard(nn.Module):
             self.set_lora(False)
 
     @staticmethod
-    def accumulate(summed, ran, logits, sel, valid, d, T):
+    def accumulate(summed, ran, logits, rows, sel, valid, d):
         """Add depth d's logits into each token's running sum (the residual over depths, Eq. 4's
         input and the output) and record that the token ran d + 1 passes."""
-        if d == 0:  # depth 0 ran every token, in order (select)
+        if d == 0:  # depth 0 ran every token of every row, in order (select)
             return logits, torch.ones_like(ran)
-        B = sel.size(0)
-        b_i = torch.arange(B, device=sel.device)[:, None].expand_as(sel)[valid]
-        t_i = sel[valid]
-        base = logits.new_zeros(B, T, logits.size(-1)) if d == 0 else summed
-        summed = base.index_put((b_i, t_i), logits[valid], accumulate=True)
+        b_i, t_i = rows[:, None].expand_as(sel)[valid], sel[valid]
+        summed = summed.index_put((b_i, t_i), logits[valid], accumulate=True)
         return summed, ran.index_put((b_i, t_i), torch.full_like(t_i, d + 1))
 
     def route(self, mode, depths, p, d, shape):
         """Which tokens go on to depth d + 1: (B, T) bool."""
         if mode == "decider":  # go on iff sigmoid(score) > threshold
-            b_i = torch.arange(shape[0], device=p.sel.device)[:, None].expand_as(p.sel)[p.valid]
+            b_i = p.rows[:, None].expand_as(p.sel)[p.valid]
             go = torch.zeros(shape, dtype=torch.bool, device=p.sel.device)
             return go.index_put((b_i, p.sel[p.valid]), torch.sigmoid(p.score[p.valid]) > self.cfg.threshold)
         want = {"standard": 1, "always": self.cfg.max_depth, "oracle": depths}[mode]
@@ -432,7 +500,7 @@ class ThinkAtHard(nn.Module):
         scores, labels, weights = [], [], []
         for p in out.passes[:self.cfg.max_depth - 1]:
             s = self.decider(p.features.rows(p.valid))
-            c = (depths.gather(1, p.sel)[p.valid] > p.depth + 1).to(s.dtype)
+            c = (gather(depths, p.sel, p.rows)[p.valid] > p.depth + 1).to(s.dtype)
             w = (c == 0).sum().clamp(min=1) / (c == 1).sum().clamp(min=1) if pos_weight is None else pos_weight
             scores.append(s)
             labels.append(c)
@@ -442,6 +510,10 @@ class ThinkAtHard(nn.Module):
         loss = -(weights * labels * F.logsigmoid(scores) + (1 - labels) * F.logsigmoid(-scores)).mean()
         return loss, scores, labels
 
+    def make_cache(self, B, device):
+        """A preallocated cache for decoding B rows: room for block_size tokens at every depth."""
+        return TaHCache(self.cfg.n_layer, B, device, capacity=self.cfg.block_size * self.cfg.max_depth)
+
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None, mode="decider"):
         """Token-by-token decoding with a per-(layer, depth) cache; the decider (or another
@@ -450,7 +522,7 @@ class ThinkAtHard(nn.Module):
         check_generation(idx, max_new_tokens, temperature, sample_top_k, self.cfg)
         if mode == "oracle":
             raise ValueError("generate cannot use mode 'oracle': it needs the reference labels of unseen tokens")
-        cache = TaHCache(self.cfg.n_layer, idx.size(0), idx.device)
+        cache = self.make_cache(idx.size(0), idx.device)
         out = self(idx, mode=mode, cache=cache)
         depths = [out.depths]
         for step in range(max_new_tokens):

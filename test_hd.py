@@ -301,7 +301,7 @@ def test_cached_decoding_equals_the_full_forward(model, T, steps, shared, B):
     if shared and "I" in model.cfg.layout:
         model = twin(model, shared_kv=True)
     idx = torch.randint(model.cfg.vocab_size, (B, T + sum(steps)))
-    caches = [KVCache() for _ in model.backbone.blocks]
+    caches = model.make_caches()
     with torch.no_grad():
         got, _ = model(idx[:, :T], caches=caches)
         torch.testing.assert_close(got, model(idx[:, :T])[0], atol=1e-5, rtol=1e-5)
@@ -311,6 +311,37 @@ def test_cached_decoding_equals_the_full_forward(model, T, steps, shared, B):
             torch.testing.assert_close(got, model(idx[:, :t + k])[0][:, t:], atol=1e-5, rtol=1e-5)
             t += k
     assert len(caches[0]) == t * model.cfg.n_streams  # every stream's rows are kept
+
+
+@FAST
+@given(model=hd_models(block_size=6), shared=st.booleans(), data=st.data())
+def test_cache_filled_to_block_size_in_place_then_one_more_token_is_a_clear_error(model, shared, data):
+    """The preallocated caches (StreamCache for own-stream layers, KVCache elsewhere): every step
+    writes into the buffers allocated at the first one, filling them to block_size tokens
+    exactly still equals the full forward, and one token more raises."""
+    if shared and "I" in model.cfg.layout:
+        model = twin(model, shared_kv=True)
+    T = data.draw(st.integers(1, 6))
+    idx = torch.randint(model.cfg.vocab_size, (2, 6))
+    caches = model.make_caches()
+    with torch.no_grad():
+        model(idx[:, :T], caches=caches)
+        storage = [c.k.data_ptr() for c in caches]
+        for t in range(T, 6):
+            got, _ = model(idx[:, t:t + 1], caches=caches)
+            torch.testing.assert_close(got[:, 0], model(idx[:, :t + 1])[0][:, t], atol=1e-5, rtol=1e-5)
+        assert [c.k.data_ptr() for c in caches] == storage and len(caches[0]) == 6 * model.cfg.n_streams
+        with pytest.raises(ValueError, match="block_size"):
+            model(idx[:, :1], caches=caches)
+
+
+def test_caches_of_another_layout_are_refused():
+    model = HiddenDecoding(hd_cfg(layout="IFI")).eval()
+    idx = torch.randint(61, (1, 4))
+    with pytest.raises(ValueError, match="make_caches"):
+        model(idx, caches=[KVCache() for _ in range(3)])  # layer 0 reads its own stream: needs a StreamCache
+    with pytest.raises(ValueError, match="make_caches"):
+        model(idx, caches=HiddenDecoding(hd_cfg(layout="FFI")).make_caches())
 
 
 def test_greedy_generate_equals_argmax_of_full_forwards():

@@ -318,7 +318,7 @@ def build(c, seed):
 def test_cached_steps_equal_full_forward_on_each_prefix(c, T, chunks, seed):
     model = build(c, seed)
     idx = torch.randint(model.cfg.vocab_size, (2, T + sum(chunks)))
-    caches = [KVCache() for _ in model.blocks]
+    caches = model.make_caches()
     with torch.no_grad():
         got, _ = model(idx[:, :T], caches=caches)
         torch.testing.assert_close(got, model(idx[:, :T])[0], atol=1e-5, rtol=1e-5)
@@ -328,6 +328,33 @@ def test_cached_steps_equal_full_forward_on_each_prefix(c, T, chunks, seed):
             full, _ = model(idx[:, :t + n])
             torch.testing.assert_close(got, full[:, t:], atol=1e-5, rtol=1e-5)
             t += n
+
+
+@FAST
+@given(c=model_configs, seed=st.integers(0, 999), block=st.integers(2, 9), data=st.data())
+def test_cache_filled_to_block_size_in_place_then_one_more_token_is_a_clear_error(c, seed, block, data):
+    """The preallocated cache: every step writes into the buffers allocated at the first one
+    (same storage, never reallocated), filling it to block_size exactly still equals the full
+    forward, and one token more raises."""
+    torch.manual_seed(seed)
+    n_head, n_kv = c["heads"]
+    model = Transformer(small_cfg(block_size=block, n_layer=c["n_layer"], kv_mirror=c["kv_mirror"], n_head=n_head,
+                                  n_kv_head=n_kv, n_experts=c["n_experts"])).eval()
+    T = data.draw(st.integers(1, block))
+    idx = torch.randint(model.cfg.vocab_size, (3, block))
+    caches = model.make_caches()
+    with torch.no_grad():
+        model(idx[:, :T], caches=caches)
+        storage = [c.k.data_ptr() for c in caches]
+        for t in range(T, block):
+            got, _ = model(idx[:, t:t + 1], caches=caches)
+            torch.testing.assert_close(got[:, 0], model(idx[:, :t + 1])[0][:, t], atol=1e-5, rtol=1e-5)
+        assert [c.k.data_ptr() for c in caches] == storage and len(caches[0]) == block
+        with pytest.raises(ValueError, match="block_size"):
+            model(idx[:, :1], caches=caches)
+    cache = caches[0]
+    with pytest.raises(ValueError, match="KV cache full"):
+        cache.update(cache.k[:, :, :1], cache.v[:, :, :1])
 
 
 @FAST

@@ -127,7 +127,7 @@ def test_parallel_forward_equals_token_by_token_decoding(c, seed, T):
     depths = random_depths(g, 2, T, model.cfg.max_depth)
     with torch.no_grad():
         par = model(idx, mode="oracle", depths=depths)
-        cache = TaHCache(model.cfg.n_layer, 2, idx.device)
+        cache = model.make_cache(2, idx.device)
         for t in range(T):
             step = model(idx[:, t:t + 1], mode="oracle", depths=depths[:, t:t + 1], cache=cache)
             torch.testing.assert_close(step.logits[:, 0], par.logits[:, t], atol=1e-5, rtol=1e-5)
@@ -329,6 +329,67 @@ def test_decider_generation_equals_parallel_decider_forward():
         par = model(tokens[:, :-1], mode="decider")
     assert torch.equal(par.depths, depths)
     assert torch.equal(par.logits[:, 3:].argmax(-1), tokens[:, 4:])
+
+
+@settings(max_examples=15, deadline=None)
+@given(c=configs, seed=st.integers(0, 999), B=st.integers(2, 5), P=st.integers(1, 5))
+def test_batched_decoding_equals_decoding_each_row_alone(c, seed, B, P):
+    """generate over B rows (the second pass runs only the rows whose token goes on, gathered
+    with their cache entries) gives each row the tokens, depths and logits it gets alone."""
+    model = mixed_decider(make(seed, threshold=0.5, block_size=16, **c))
+    prompt = torch.randint(53, (B, P), generator=torch.Generator().manual_seed(seed))
+    tokens, depths = model.generate(prompt, 8, temperature=0)
+    for b in range(B):
+        alone, d_alone = model.generate(prompt[b:b + 1], 8, temperature=0)
+        assert torch.equal(alone[0], tokens[b]) and torch.equal(d_alone[0], depths[b]), b
+
+
+@FAST
+@given(c=configs, seed=st.integers(0, 999), T=st.integers(2, 9))
+def test_a_deeper_pass_runs_only_the_batch_rows_with_a_token_going_on(c, seed, T):
+    """Oracle decoding token by token: each step's deeper passes run exactly the rows whose
+    token goes that deep (seen as the batch size at the first block), and match the parallel
+    forward."""
+    model = make(seed, **c)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(53, (3, T), generator=g)
+    depths = random_depths(g, 3, T, model.cfg.max_depth)
+    sizes = []
+    h = model.backbone.blocks[0].register_forward_pre_hook(lambda mod, args: sizes.append(args[0].size(0)))
+    try:
+        with torch.no_grad():
+            par = model(idx, mode="oracle", depths=depths)
+            sizes.clear()
+            cache = model.make_cache(3, idx.device)
+            for t in range(T):
+                step = model(idx[:, t:t + 1], mode="oracle", depths=depths[:, t:t + 1], cache=cache)
+                torch.testing.assert_close(step.logits[:, 0], par.logits[:, t], atol=1e-10, rtol=1e-10)
+    finally:
+        h.remove()
+    expect = [int((depths[:, t] > d).sum()) for t in range(T) for d in range(model.cfg.max_depth)
+              if (depths[:, t] > d).any()]
+    assert sizes == expect
+
+
+def test_decoding_fills_the_cache_to_block_size_in_place_then_one_more_token_is_a_clear_error():
+    model = make(5, max_depth=3, block_size=7)
+    idx = torch.randint(53, (2, 7))
+    depths = torch.full((2, 7), 3)
+    cache = model.make_cache(2, idx.device)
+    with torch.no_grad():
+        par = model(idx, mode="oracle", depths=depths)
+        model(idx[:, :3], mode="oracle", depths=depths[:, :3], cache=cache)
+        storage = [layer.k.data_ptr() for layer in cache.layers]
+        for t in range(3, 7):  # every token at every depth: the cache ends exactly full
+            out = model(idx[:, t:t + 1], mode="oracle", depths=depths[:, t:t + 1], cache=cache)
+        torch.testing.assert_close(out.logits[:, 0], par.logits[:, -1], atol=1e-10, rtol=1e-10)
+        assert [layer.k.data_ptr() for layer in cache.layers] == storage and cache.len == cache.capacity == 21
+        with pytest.raises(ValueError, match="block_size"):
+            model(idx[:, :1], mode="standard", cache=cache)
+        with pytest.raises(ValueError, match="batch rows"):
+            model(idx[:1, :1], cache=model.make_cache(2, idx.device))
+    tokens, _ = model.generate(idx[:, :3], 4, temperature=0)  # generate to block_size exactly
+    assert tokens.shape == (2, 7)
 
 
 # -----------------------------------------------------------------------------
