@@ -26,6 +26,7 @@ decoding with the decider.
 """
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -150,7 +151,11 @@ def dense_batch_mask(mask_mod, B, Tq, Tk, device):
 
 class LoRALinear(nn.Module):
     """y = W x + (alpha / r) * B A x, the second term only while `active`. B starts at 0, so
-    the adapter starts as a no-op (Hu et al. 2022)."""
+    the adapter starts as a no-op (Hu et al. 2022).
+
+    In decoding (ThinkAtHard.lora_merged) an active adapter runs as one matmul with the merged
+    weight W + (alpha / r) B A, the same map up to rounding, so a deeper pass costs what the
+    first does instead of three matmuls per linear."""
 
     def __init__(self, base: nn.Linear, rank, alpha):
         super().__init__()
@@ -159,10 +164,14 @@ class LoRALinear(nn.Module):
         self.B = nn.Parameter(torch.zeros(base.out_features, rank))
         self.scale = alpha / rank
         self.active = False
+        self.merged = None  # W + (alpha / r) B A while ThinkAtHard.lora_merged holds it
 
     def forward(self, x):
-        y = self.base(x)
-        return y + self.scale * F.linear(F.linear(x, self.A), self.B) if self.active else y
+        if not self.active:
+            return self.base(x)
+        if self.merged is not None:
+            return F.linear(x, self.merged, self.base.bias)
+        return self.base(x) + self.scale * F.linear(F.linear(x, self.A), self.B)
 
 
 def add_lora(module, rank, alpha):
@@ -269,18 +278,26 @@ class TaHCache:
 
 class RowsOf:
     """A layer's KV cache seen by a pass that runs batch rows `rows` only: their new K/V go
-    into those rows' slots (the other rows' slots get zeros, marked absent in the lookups), and
-    attention reads those rows' K/V (a copy of theirs alone; the other rows' are not touched)."""
+    into those rows' slots (the other rows' slots stay as they are, marked absent in the
+    lookups), and attention reads those rows' K/V (a copy of theirs alone)."""
 
     def __init__(self, cache, rows):
         self.cache, self.rows = cache, rows
 
     def update(self, k, v):
-        B = self.cache.k.size(0) if self.cache.k is not None else None
-        if B is None:
+        c, T = self.cache, k.size(2)
+        if c.k is None:
             raise ValueError("a pass over some batch rows needs a cache that every row has written")
-        k, v = (x.new_zeros(B, *x.shape[1:]).index_copy(0, self.rows, x) for x in (k, v))
-        k, v = self.cache.update(k, v)
+        if c.capacity is None:  # growing: a full-batch block with zeros in the other rows' slots
+            k, v = (x.new_zeros(c.k.size(0), *x.shape[1:]).index_copy(0, self.rows, x) for x in (k, v))
+            k, v = c.update(k, v)
+        else:  # preallocated: write in place
+            if c.len + T > c.capacity:
+                raise ValueError(f"KV cache full: it holds {c.capacity} rows, {c.len} are written and {T} more do not fit")
+            c.k[:, :, c.len:c.len + T].index_copy_(0, self.rows, k)
+            c.v[:, :, c.len:c.len + T].index_copy_(0, self.rows, v)
+            c.len += T
+            k, v = c.k[:, :, :c.len], c.v[:, :, :c.len]
         return k.index_select(0, self.rows), v.index_select(0, self.rows)
 
 
@@ -340,11 +357,25 @@ class ThinkAtHard(nn.Module):
         self.backbone = Transformer(cfg)
         add_lora(self.backbone.blocks, cfg.lora_rank, cfg.lora_alpha)
         self.decider = Decider(cfg)
+        self.loras = [m for m in self.backbone.modules() if isinstance(m, LoRALinear)]  # not a ModuleList: no new names
 
     def set_lora(self, active):
-        for m in self.backbone.modules():
-            if isinstance(m, LoRALinear):
-                m.active = active
+        for m in self.loras:
+            m.active = active
+
+    @contextmanager
+    def lora_merged(self):
+        """Within: each adapter runs merged into its weight, W + (alpha / r) B A, one matmul
+        where it would take three (the same map up to rounding). For decoding, where the
+        weights hold still; no gradient reaches A or B through a merged weight."""
+        with torch.no_grad():
+            for m in self.loras:
+                m.merged = torch.addmm(m.base.weight, m.B, m.A, alpha=m.scale)
+        try:
+            yield
+        finally:
+            for m in self.loras:
+                m.merged = None
 
     def next_input(self, summed_logits):
         """Eq. 4 with the top-k only: softmax over the top-k logits, zero weight elsewhere, times
@@ -523,14 +554,15 @@ class ThinkAtHard(nn.Module):
         if mode == "oracle":
             raise ValueError("generate cannot use mode 'oracle': it needs the reference labels of unseen tokens")
         cache = self.make_cache(idx.size(0), idx.device)
-        out = self(idx, mode=mode, cache=cache)
-        depths = [out.depths]
-        for step in range(max_new_tokens):
-            nxt = sample(out.logits[:, -1], temperature, sample_top_k, generator)
-            idx = torch.cat([idx, nxt], dim=1)
-            if step + 1 < max_new_tokens:
-                out = self(nxt, mode=mode, cache=cache)
-                depths.append(out.depths)
+        with self.lora_merged():
+            out = self(idx, mode=mode, cache=cache)
+            depths = [out.depths]
+            for step in range(max_new_tokens):
+                nxt = sample(out.logits[:, -1], temperature, sample_top_k, generator)
+                idx = torch.cat([idx, nxt], dim=1)
+                if step + 1 < max_new_tokens:
+                    out = self(nxt, mode=mode, cache=cache)
+                    depths.append(out.depths)
         return idx, torch.cat(depths, 1)
 
 

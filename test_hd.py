@@ -431,6 +431,31 @@ def test_cuda_compiled_model_equals_eager():
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@cuda
+@pytest.mark.parametrize("hd", [False, True])
+def test_cuda_forward_and_decode_step_never_wait_for_the_device(hd):
+    """Input checks read no values on CUDA (a min or max would make the host wait once per
+    forward): a training forward with targets and a cached decode step run under
+    torch.cuda.set_sync_debug_mode("error"), which raises at any synchronizing call. Dense
+    feed-forward: the MoE's loop dispatch reads expert counts on the host by design."""
+    torch.manual_seed(0)
+    cfg = hd_cfg(n_streams=3, layout="IFI", n_experts=0)
+    model = (HiddenDecoding(cfg) if hd else Transformer(ModelConfig(**{f: getattr(cfg, f) for f in (
+        "vocab_size", "block_size", "n_layer", "n_embd", "n_head", "n_kv_head", "head_dim", "n_experts",
+        "ffn_hidden")}))).cuda().eval()
+    idx = torch.randint(61, (2, 8), device="cuda")
+    caches = model.make_caches()
+    with torch.no_grad():
+        model(idx, caches=caches)  # the prefill allocates the caches
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(idx, idx)
+            model(idx[:, :1], caches=caches)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
 # -----------------------------------------------------------------------------
 # bad input
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 import moe
-from moe import KVCache, MoE, ModelConfig, Transformer, apply_rope, attend, causal, dense_mask
+from moe import MoE, ModelConfig, Transformer, apply_rope, attend, causal, dense_mask
 
 FAST = settings(max_examples=25, deadline=None)
 
