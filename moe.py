@@ -473,12 +473,14 @@ def cached_generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=No
     make_caches() gives (moe, hd)."""
     check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
     caches = model.make_caches()
+    B, T = idx.shape
+    out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # the tokens, written in place
     logits, _ = model(idx, caches=caches)
-    for _ in range(max_new_tokens):
-        nxt = sample(logits[:, -1], temperature, sample_top_k, generator)
-        idx = torch.cat([idx, nxt], dim=1)
-        logits, _ = model(nxt, caches=caches)
-    return idx
+    for t in range(T, T + max_new_tokens):
+        out[:, t:t + 1] = sample(logits[:, -1], temperature, sample_top_k, generator)
+        if t + 1 < T + max_new_tokens:  # the last token is returned, not fed
+            logits, _ = model(out[:, t:t + 1], caches=caches)
+    return out
 
 
 def check_tokens(idx, targets, vocab_size, values=None):

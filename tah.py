@@ -554,16 +554,18 @@ class ThinkAtHard(nn.Module):
         if mode == "oracle":
             raise ValueError("generate cannot use mode 'oracle': it needs the reference labels of unseen tokens")
         cache = self.make_cache(idx.size(0), idx.device)
+        B, T = idx.shape
+        tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # written in place
+        depths = torch.zeros(B, T + max(max_new_tokens - 1, 0), dtype=torch.long, device=idx.device)
         with self.lora_merged():
             out = self(idx, mode=mode, cache=cache)
-            depths = [out.depths]
-            for step in range(max_new_tokens):
-                nxt = sample(out.logits[:, -1], temperature, sample_top_k, generator)
-                idx = torch.cat([idx, nxt], dim=1)
-                if step + 1 < max_new_tokens:
-                    out = self(nxt, mode=mode, cache=cache)
-                    depths.append(out.depths)
-        return idx, torch.cat(depths, 1)
+            depths[:, :T] = out.depths
+            for t in range(T, T + max_new_tokens):
+                tokens[:, t:t + 1] = sample(out.logits[:, -1], temperature, sample_top_k, generator)
+                if t + 1 < T + max_new_tokens:  # the last token is returned, not fed
+                    out = self(tokens[:, t:t + 1], mode=mode, cache=cache)
+                    depths[:, t] = out.depths[:, 0]
+        return tokens, depths
 
 
 # -----------------------------------------------------------------------------
