@@ -11,9 +11,9 @@ Sections: (1) attention alone per mask type vs n; (2) an HD training step vs n, 
 stream-factorized layout and for all-full; (3) the KV-mirror final-stream skip at two widths,
 with the ceiling its measured share of time allows; (4) HD serving: cached decode throughput of
 n = 4 vs n = 1 over batch x prompt length (HD Figure 5), the KV cache per layout, and decode
-tokens/s against prompt length up to the block size; (5) TaH
-decode and training cost for Standard, TaH (~6% of tokens iterated) and AlwaysThink at two
-widths; (6) on CUDA, flex_attention vs SDPA and the compiled model vs eager.
+tokens/s against prompt length up to the block size, and where a decode step's time goes; (5)
+TaH decode and training cost for Standard, TaH (~6% of tokens iterated) and AlwaysThink at two
+widths, and where TaH's extra cost goes; (6) on CUDA, flex_attention vs SDPA and the compiled model vs eager.
 """
 
 import argparse
@@ -21,11 +21,12 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from hd import HDConfig, HiddenDecoding, fold, full, intra, local, unfold
 from moe import attend, dense_mask
-from tah import TaHConfig, ThinkAtHard
+from tah import LoRALinear, TaHConfig, ThinkAtHard
 
 
 def sync(device):
@@ -198,6 +199,54 @@ def tah_costs(L, device, repeats, widths, frac=0.06):
           "train step (B=4) vs Standard"])
 
 
+def tah_profile(L, device, width=256, frac=0.06, B=4):
+    """Where TaH's extra cost goes, measured. Decoding: ops issued per step with and without a
+    second pass (torch.profiler), against the rows that pass runs. Training: the step with
+    two diagnostic arms that are not models (each drops one piece of the second pass's work):
+    no LoRA at depth >= 1, and no gradient from depth >= 1 into the backbone's weights."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    cfg = TaHConfig(vocab_size=512, block_size=L + 1, n_layer=6, n_embd=width, n_head=12, n_kv_head=2,
+                    head_dim=width // 4, n_experts=0, ffn_hidden=3 * width, logit_topk=100, max_depth=2)
+    model = ThinkAtHard(cfg).to(device)
+    idx = torch.randint(512, (B, L + 1), device=device)
+    ops = {}
+    with torch.no_grad(), model.lora_merged():
+        for name, d in (("one pass (every row)", [1] * B), ("+ a 2nd pass for 1 row", [2] + [1] * (B - 1))):
+            cache = model.make_cache(B, device)
+            model(idx[:, :L // 2], mode="standard", cache=cache)
+            depths = torch.tensor(d, device=device)[:, None]
+            with profile(activities=[ProfilerActivity.CPU]) as p:
+                for t in range(L // 2, L // 2 + 8):
+                    model(idx[:, t:t + 1], mode="oracle", depths=depths, cache=cache)
+            ops[name] = sum(e.count for e in p.key_averages()) / 8
+    hard = (torch.rand(B, L, generator=torch.Generator().manual_seed(0)) < frac).to(device)
+    depths = {"Standard": torch.ones(B, L, dtype=torch.long, device=device), "TaH": 1 + hard.long()}
+
+    def patched(forward, depths):
+        step = tah_train(model, idx, depths)
+
+        def run():
+            saved, LoRALinear.forward = LoRALinear.forward, forward
+            try:
+                step()
+            finally:
+                LoRALinear.forward = saved
+        return run
+    no_lora = lambda m, x: m.base(x)
+    w_frozen = lambda m, x: (F.linear(x, m.base.weight.detach(), m.base.bias) + m.scale * F.linear(F.linear(x, m.A), m.B)
+                             if m.active else m.base(x))
+    t = timeit({"Standard": tah_train(model, idx, depths["Standard"]), "TaH": tah_train(model, idx, depths["TaH"]),
+                "TaH, no LoRA at depth 1 (diagnostic)": patched(no_lora, depths["TaH"]),
+                "TaH, no gradient from depth 1 into W (diagnostic)": patched(w_frozen, depths["TaH"])}, 9, device)
+    first = ops["one pass (every row)"]
+    rows = [[f"decode step, B={B}: {k}", f"{v:.0f} ops", f"{v / first:.2f}x"] for k, v in ops.items()]
+    rows += [[f"train step, B={B}, width {width}: {k}", f"{v * 1e3:.1f} ms", f"{v / t['Standard']:.2f}x"]
+             for k, v in t.items()]
+    show(f"5b. Where TaH's extra cost goes (L={L}; ops counted by torch.profiler, 8 decode steps after {L // 2} tokens)",
+         rows, ["what", "per step", "vs first row"])
+
+
 def tah_train(model, idx, depths):
     def step():
         model.stage1_loss(idx[:, :-1], idx[:, 1:], depths).backward()
@@ -315,6 +364,34 @@ def decode_vs_prompt(block, batches, device, repeats, steps, n=4, width=64):
                 f"n=1 step vs prompt {prompts[0]}", f"n={n} step vs prompt {prompts[0]}"])
 
 
+def decode_profile(prompts, batches, device, steps, n=4, width=64):
+    """Where a decode step's time goes (torch.profiler, self time on the host): the attention
+    kernels' share and the ops issued per step, n = 1 and n = 4 (SFA, no skip). A step's op
+    count does not grow with the prompt; its attention does."""
+    from torch.profiler import ProfilerActivity, profile
+    rows = []
+    for streams in (1, n):
+        torch.manual_seed(0)
+        cfg = hd_cfg(streams, "IIFLII", max(prompts) + steps + 1, mirror_skip=False, n_embd=width,
+                     head_dim=width // 4, expert_hidden=width)
+        model = HiddenDecoding(cfg).to(device).eval()
+        for B in batches:
+            for P in prompts:
+                run = hd_decode(model, B, P, steps, device)
+                run()
+                with profile(activities=[ProfilerActivity.CPU]) as p:
+                    for _ in range(3):
+                        run()
+                ev = p.key_averages()
+                total = sum(e.self_cpu_time_total for e in ev)
+                att = sum(e.self_cpu_time_total for e in ev if "scaled_dot_product" in e.key)
+                rows.append([B, f"n={streams}", P, f"{total / (3e3 * steps):.2f}", f"{att / total:.0%}",
+                             f"{sum(e.count for e in ev) / (3 * steps):.0f}"])
+    show(f"4d. Where a decode step's time goes, 6-layer MoE width {width} (torch.profiler, host self time; "
+         "the profiler adds its own cost per op)", rows,
+         ["batch", "model", "prompt (tokens)", "ms per step (profiled)", "attention kernels' share", "ops per step"])
+
+
 def cuda_section(L, repeats):
     B, H, D = 4, 8, 64
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -366,7 +443,9 @@ def main(argv=None):
     hd_serving({"short": 8, "long": 32} if q else {"short": 64, "long": 512}, (1, 4) if q else (1, 4, 16, 64),
                device, rep, steps=2 if q else 8)
     decode_vs_prompt(72 if q else 1024, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
+    decode_profile((8, 32) if q else (64, 1016), (1,) if q else (1, 16), device, steps=2 if q else 8)
     tah_costs(16 if q else 64, device, rep, widths=(32,) if q else (64, 256))
+    tah_profile(16 if q else 64, device, width=32 if q else 256)
     if device == "cuda":
         cuda_section(1024 if q else 8192, rep)
 

@@ -8,6 +8,7 @@ def test_quick_bench_prints_every_section(capsys):
     bench.main(["--quick", "--repeats", "1"])
     out = capsys.readouterr().out
     for title in ("1. Attention alone", "2. HD training step", "3. KV-mirror final-stream skip", "4. HD serving",
-                  "4b. KV cache", "4c. HD decode tokens/s against prompt length", "5. TaH"):
+                  "4b. KV cache", "4c. HD decode tokens/s against prompt length", "4d. Where a decode step's time goes", "5. TaH",
+                  "5b. Where TaH's extra cost goes"):
         assert title in out, title
     assert "x |" in out  # ratios were printed
