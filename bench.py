@@ -181,7 +181,7 @@ def tah_costs(L, device, repeats, widths, frac=0.06):
             depths = {"Standard": torch.ones(B, L, dtype=torch.long, device=device), "TaH": 1 + hard.long(),
                       "AlwaysThink": torch.full((B, L), 2, device=device)}
             res[B] = dict(depths=depths, decode=timeit({k: tah_decode(model, idx, d) for k, d in depths.items()},
-                                                       max(3, repeats // 3), device, warmup=1))
+                                                       repeats, device, warmup=1))
             if B == 4:
                 res[B]["train"] = timeit({k: tah_train(model, idx, d) for k, d in depths.items()}, repeats, device)
         for arm in ("Standard", "TaH", "AlwaysThink"):
