@@ -199,7 +199,7 @@ def tah_costs(L, device, repeats, widths, frac=0.06):
           "train step (B=4) vs Standard"])
 
 
-def tah_profile(L, device, width=256, frac=0.06, B=4):
+def tah_profile(L, device, repeats, width=256, frac=0.06, B=4):
     """Where TaH's extra cost goes, measured. Decoding: ops issued per step with and without a
     second pass (torch.profiler), against the rows that pass runs. Training: the step with
     two diagnostic arms that are not models (each drops one piece of the second pass's work):
@@ -238,7 +238,7 @@ def tah_profile(L, device, width=256, frac=0.06, B=4):
                              if m.active else m.base(x))
     t = timeit({"Standard": tah_train(model, idx, depths["Standard"]), "TaH": tah_train(model, idx, depths["TaH"]),
                 "TaH, no LoRA at depth 1 (diagnostic)": patched(no_lora, depths["TaH"]),
-                "TaH, no gradient from depth 1 into W (diagnostic)": patched(w_frozen, depths["TaH"])}, 9, device)
+                "TaH, no gradient from depth 1 into W (diagnostic)": patched(w_frozen, depths["TaH"])}, repeats, device)
     first = ops["one pass (every row)"]
     rows = [[f"decode step, B={B}: {k}", f"{v:.0f} ops", f"{v / first:.2f}x"] for k, v in ops.items()]
     rows += [[f"train step, B={B}, width {width}: {k}", f"{v * 1e3:.1f} ms", f"{v / t['Standard']:.2f}x"]
@@ -351,10 +351,10 @@ def decode_vs_prompt(block, batches, device, repeats, steps, n=4, width=64):
         cfg = hd_cfg(streams, "IIFLII", block, mirror_skip=False, n_embd=width, head_dim=width // 4, expert_hidden=width)
         models[streams] = HiddenDecoding(cfg).to(device).eval()
     rows = []
-    for B in batches:
-        t = {}
-        for P in prompts:
-            t[P] = timeit({s: hd_decode(m, B, P, steps, device) for s, m in models.items()}, repeats, device, warmup=1)
+    for B in batches:  # every (n, prompt) arm of a batch in one round-robin: drift hits them alike
+        res = timeit({(s, P): hd_decode(m, B, P, steps, device) for s, m in models.items() for P in prompts},
+                     repeats, device, warmup=1)
+        t = {P: {s: res[(s, P)] for s in models} for P in prompts}
         for P in prompts:
             rows.append([B, P, f"{B * steps / t[P][1]:.0f}", f"{B * steps / t[P][n]:.0f}", f"{t[P][1] / t[P][n]:.0%}",
                          f"{t[P][1] / t[prompts[0]][1]:.2f}x", f"{t[P][n] / t[prompts[0]][n]:.2f}x"])
@@ -445,7 +445,7 @@ def main(argv=None):
     decode_vs_prompt(72 if q else 1024, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
     decode_profile((8, 32) if q else (64, 1016), (1,) if q else (1, 16), device, steps=2 if q else 8)
     tah_costs(16 if q else 64, device, rep, widths=(32,) if q else (64, 256))
-    tah_profile(16 if q else 64, device, width=32 if q else 256)
+    tah_profile(16 if q else 64, device, rep, width=32 if q else 256)
     if device == "cuda":
         cuda_section(1024 if q else 8192, rep)
 
