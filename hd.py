@@ -283,7 +283,8 @@ def attention_path(cfg, i, cached, final_only, device):
     With attn_impl "flex" every uncached layer takes "block", cached ones "dense". I means an I
     layer with per-stream K/V; shared-KV I layers are "the rest". final_only: the queries are
     the final-stream rows (a mirrored layer under the KV-mirror skip; "fold" then runs the
-    final stream alone, and F is no longer square, so not "causal")."""
+    final stream alone, and F is no longer square, so not "causal"). device is read only for
+    uncached layers (make_caches passes None)."""
     letter = cfg.layout[i]
     if cfg.attn_impl != "fast":
         return "block" if cfg.attn_impl == "flex" and not cached else "dense"

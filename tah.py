@@ -400,21 +400,21 @@ class ThinkAtHard(nn.Module):
         B, T = idx.shape
         if cache is None:
             cache = TaHCache(cfg.n_layer, B, idx.device)
-        elif cache._pos.size(0) != B:
-            raise ValueError(f"the cache holds {cache._pos.size(0)} batch rows, idx has {B}")
+        elif cache.pos.size(0) != B:
+            raise ValueError(f"the cache holds {cache.pos.size(0)} batch rows, idx has {B}")
         start = cache.reserve(T, cfg.block_size)
         summed = first = None  # (B, T, V): logits summed over the depths run so far; depth 0's
         ran = torch.zeros(B, T, dtype=torch.long, device=idx.device)  # passes each token ran
         active = torch.ones(B, T, dtype=torch.bool, device=idx.device)  # tokens that run depth d
         passes = []
         for d in range(cfg.max_depth):
-            rows = self.batch_rows(active, d)
-            if rows is not None and rows.numel() == 0:
+            subset = self.batch_rows(active, d)  # None: every batch row
+            if subset is not None and subset.numel() == 0:
                 break  # no token goes on
-            sel, valid = self.select(active if rows is None else active[rows], d)
-            rows = torch.arange(B, device=idx.device) if rows is None else rows
+            rows = torch.arange(B, device=idx.device) if subset is None else subset
+            sel, valid = self.select(active if subset is None else active[subset], d)
             x = self.backbone.wte(gather(idx, sel, rows)) if d == 0 else self.next_input(gather(summed, sel, rows))
-            h, kept = self.run_pass(x, start + sel, d, valid, cache, None if rows.numel() == B else rows)
+            h, kept = self.run_pass(x, start + sel, d, valid, cache, subset)
             logits = self.backbone.lm_head(self.backbone.norm_f(h))  # (B', Tq, V)
             summed, ran = self.accumulate(summed, ran, logits, rows, sel, valid, d)
             first = summed if d == 0 else first
