@@ -244,7 +244,7 @@ def tah_profile(L, device, repeats, width=256, frac=0.06, B=4):
     rows += [[f"train step, B={B}, width {width}: {k}", f"{v * 1e3:.1f} ms", f"{v / t['Standard']:.2f}x"]
              for k, v in t.items()]
     show(f"5b. Where TaH's extra cost goes (L={L}; ops counted by torch.profiler, 8 decode steps after {L // 2} tokens)",
-         rows, ["what", "per step", "vs first row"])
+         rows, ["what", "per step", "vs one pass (decode) or Standard (train)"])
 
 
 def tah_train(model, idx, depths):

@@ -3,7 +3,8 @@
 #   1. the CUDA tests (python -m pytest -m cuda): flex_attention forward and backward equal to
 #      the dense reference for every HD mask (also under the KV-mirror skip) and for TaH's
 #      duo-causal mask, a bf16 training step, the compiled model equal to eager;
-#   2. bench.py --cuda: HD serving (decode throughput of n=4 vs n=1, HD Figure 5) at width 512,
+#   2. bench.py --cuda: HD serving (decode throughput of n=4 vs n=1, HD Figure 5, and against
+#      prompt length up to 4096 tokens) at width 512,
 #      flex_attention vs SDPA, the compiled HD model vs eager.
 # Writes out/gpu_check.md (and prints it).
 set -uo pipefail
