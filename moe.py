@@ -491,7 +491,8 @@ def check_tokens(idx, targets, vocab_size, values=None):
     where that is free, on CPU. On CUDA, reading a min or a max makes the host wait for the
     device, once per forward, so there a forward skips it: generate checks its prompt once per
     call, and an id out of range still stops at the embedding's (or cross-entropy's) own
-    device-side bounds check rather than giving a number.
+    device-side bounds check rather than giving a number; targets that are all -1 give a nan
+    loss there (the trainer stops an arm whose weights turn non-finite).
     """
     if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"idx must be an integer tensor of token ids (int64 or int32, as nn.Embedding takes), "
