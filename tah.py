@@ -437,8 +437,10 @@ class ThinkAtHard(nn.Module):
         reference, which computes every token); else, with gather=True, the rows with a token
         going on, (B',), possibly none. A row with nothing to do costs nothing: in batched
         decoding the second pass runs only the rows whose token continues."""
-        if d == 0 or not self.cfg.gather:
-            return None if d == 0 or active.any() else active.new_zeros(0, dtype=torch.long)
+        if d == 0:
+            return None
+        if not self.cfg.gather:
+            return None if active.any() else active.new_zeros(0, dtype=torch.long)
         rows = active.any(1).nonzero().squeeze(1)  # one wait for the device, as the dynamic shape needs
         return None if rows.numel() == active.size(0) else rows
 

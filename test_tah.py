@@ -62,6 +62,12 @@ def random_depths(g, B, T, max_depth):
     return torch.randint(1, max_depth + 1, (B, T), generator=g)
 
 
+def tokens_and_depths(seed, B, T, max_depth):
+    """Token ids (B, T) and random depths in [1, max_depth], both drawn from one seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(53, (B, T), generator=g), random_depths(g, B, T, max_depth)
+
+
 # -----------------------------------------------------------------------------
 # the mask
 
@@ -123,9 +129,7 @@ def test_standard_mode_equals_the_backbone(c, seed, T):
 @given(c=configs, seed=st.integers(0, 999), T=st.integers(1, 9))
 def test_parallel_forward_equals_token_by_token_decoding(c, seed, T):
     model = make(seed, **c)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(53, (2, T), generator=g)
-    depths = random_depths(g, 2, T, model.cfg.max_depth)
+    idx, depths = tokens_and_depths(seed, 2, T, model.cfg.max_depth)
     with torch.no_grad():
         par = model(idx, mode="oracle", depths=depths)
         cache = model.make_cache(2, idx.device)
@@ -140,9 +144,7 @@ def test_parallel_forward_equals_token_by_token_decoding(c, seed, T):
 def test_gathered_path_equals_compute_everything_then_mask(c, seed, T, mode):
     model = mixed_decider(make(seed, threshold=0.5, **c))
     ref = twin(model, gather=False)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(53, (2, T), generator=g)
-    depths = random_depths(g, 2, T, model.cfg.max_depth)
+    idx, depths = tokens_and_depths(seed, 2, T, model.cfg.max_depth)
     with torch.no_grad():
         a, b = model(idx, mode=mode, depths=depths), ref(idx, mode=mode, depths=depths)
     assert torch.equal(a.depths, b.depths)
@@ -156,9 +158,7 @@ def test_black_box_state_jk_changes_exactly_i_ge_j_and_d_ge_k(seed, T, n_experts
     # matmul sees, and in float32 that alone moves other rows' rounding (~1e-5); in float64 it
     # stays ~1e-15, far below the 1e-7 that tells a real dependence apart
     model = make(seed, max_depth=3, n_experts=n_experts, moe_dispatch="loop")
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(53, (1, T), generator=g)
-    depths = random_depths(g, 1, T, 3)
+    idx, depths = tokens_and_depths(seed, 1, T, 3)
     j = data.draw(st.integers(0, T - 1))
     k = data.draw(st.integers(0, depths[0, j].item() - 1))  # a state that exists
 
@@ -198,9 +198,7 @@ def test_black_box_key_jk_is_read_by_exactly_the_states_its_attention_rule_allow
     query may read that key: duo i >= j, d >= k; first_depth i >= j if k = 0; depth_local
     i >= j, d = k. (With the chain live, duo and depth_local reach the same set.)"""
     model = make(seed, max_depth=3, attention=attention)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(53, (1, T), generator=g)
-    depths = random_depths(g, 1, T, 3)
+    idx, depths = tokens_and_depths(seed, 1, T, 3)
     j = data.draw(st.integers(0, T - 1))
     k = data.draw(st.integers(0, depths[0, j].item() - 1))
     inputs, real_next = [], model.next_input
@@ -263,9 +261,7 @@ def test_merged_adapters_give_the_forward_of_the_unmerged_ones(c, seed, T):
     """lora_merged (decoding): W + (alpha / r) B A in one matmul equals W x + (alpha / r) B A x
     for every pass, and the adapters are unmerged again afterwards, also after an error."""
     model = make(seed, **c)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(53, (2, T), generator=g)
-    depths = random_depths(g, 2, T, model.cfg.max_depth)
+    idx, depths = tokens_and_depths(seed, 2, T, model.cfg.max_depth)
     with torch.no_grad():
         ref = model(idx, mode="oracle", depths=depths)
         with model.lora_merged():
@@ -371,9 +367,7 @@ def test_a_deeper_pass_runs_only_the_batch_rows_with_a_token_going_on(c, seed, T
     token goes that deep (seen as the batch size at the first block), and match the parallel
     forward."""
     model = make(seed, **c)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(53, (3, T), generator=g)
-    depths = random_depths(g, 3, T, model.cfg.max_depth)
+    idx, depths = tokens_and_depths(seed, 3, T, model.cfg.max_depth)
     sizes = []
     h = model.backbone.blocks[0].register_forward_pre_hook(lambda mod, args: sizes.append(args[0].size(0)))
     try:
@@ -555,9 +549,7 @@ def test_flex_forward_on_cpu_equals_dense(seed, T, max_depth):
     # float64: in float32 the two kernels' different summation orders differ by ~1e-5
     model = make(seed, max_depth=max_depth)
     flex = twin(model, attn_impl="flex")
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(53, (2, T), generator=g)
-    depths = random_depths(g, 2, T, max_depth)
+    idx, depths = tokens_and_depths(seed, 2, T, max_depth)
     with torch.no_grad():
         torch.testing.assert_close(flex(idx, mode="oracle", depths=depths).logits,
                                    model(idx, mode="oracle", depths=depths).logits, atol=1e-10, rtol=1e-10)
