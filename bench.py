@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from generate import TaHCache, lora_merged, make_caches
 from hd import HDConfig, HiddenDecoding, fold, full, intra, local, unfold
 from moe import attend, dense_mask
 from tah import LoRALinear, TaHConfig, ThinkAtHard
@@ -211,9 +212,9 @@ def tah_profile(L, device, repeats, width=256, frac=0.06, B=4):
     model = ThinkAtHard(cfg).to(device)
     idx = torch.randint(512, (B, L + 1), device=device)
     ops = {}
-    with torch.no_grad(), model.lora_merged():
+    with torch.no_grad(), lora_merged(model):
         for name, d in (("one pass (every row)", [1] * B), ("+ a 2nd pass for 1 row", [2] + [1] * (B - 1))):
-            cache = model.make_cache(B, device)
+            cache = TaHCache(model, B, device)
             model(idx[:, :L // 2], mode="standard", cache=cache)
             depths = torch.tensor(d, device=device)[:, None]
             with profile(activities=[ProfilerActivity.CPU]) as p:
@@ -259,8 +260,8 @@ def tah_decode(model, idx, depths):
     adapters merged as generate runs them."""
     @torch.no_grad()
     def run():
-        cache = model.make_cache(idx.size(0), idx.device)
-        with model.lora_merged():  # as generate decodes
+        cache = TaHCache(model, idx.size(0), idx.device)
+        with lora_merged(model):  # as generate decodes
             for t in range(depths.size(1)):
                 model(idx[:, t:t + 1], mode="oracle", depths=depths[:, t:t + 1], cache=cache)
     return run
@@ -278,18 +279,21 @@ def hd_decode(model, B, prompt, steps, device):
     preallocated caches are filled once with random K/V for the prompt (a decode step's cost
     depends on shapes, not values), so no prefill is timed or even run; each call starts again
     from that cache (the steps' rows are written over)."""
-    cfg = model.cfg
-    rows = prompt * getattr(cfg, "n_streams", 1)
+    cfg, n = model.cfg, getattr(model.cfg, "n_streams", 1)
+    per_token = getattr(model, "kv_rows_per_token", lambda i: 1)
+    skip = model.skip_from() if hasattr(model, "skip_from") else None
     g = torch.Generator(device=device).manual_seed(0)
-    caches = model.make_caches()
-    for c in caches:
-        c.update(*(torch.randn(B, cfg.n_kv_head, rows, cfg.head_dim, generator=g, device=device) for _ in range(2)))
+    caches = make_caches(model)
+    for i, c in enumerate(caches):  # a layer that keeps one row per token holds its streams as batch rows
+        b = B * n if per_token(i) == 1 and (skip is None or i < skip) else B
+        c.update(*(torch.randn(b, cfg.n_kv_head, prompt * per_token(i), cfg.head_dim, generator=g, device=device)
+                   for _ in range(2)))
     first = torch.randint(cfg.vocab_size, (B, 1), generator=g, device=device)
 
     @torch.no_grad()
     def run():
-        for c in caches:
-            c.len = rows  # back to the prompt: the rows written by the last call are free again
+        for i, c in enumerate(caches):
+            c.len = prompt * per_token(i)  # back to the prompt: the rows written by the last call are free again
         x = first
         for _ in range(steps):
             logits, _ = model(x, caches=caches)

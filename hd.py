@@ -4,8 +4,8 @@ Hidden Decoding: each token expanded into n streams, Stream-Factorized Attention
 Follows "Hidden Decoding at Scale: Latent Computation Scaling for Large Language Models"
 (WeChat AI, arXiv 2607.08186, §2-3), with details the official model file describes. Built on
 moe.py: the backbone's blocks run unchanged; this file adds the n embedding tables, the three
-attention masks, the final-stream objective, progressive expansion, the KV-mirror final-stream
-skip and cached decoding.
+attention masks, the final-stream objective, progressive expansion and the KV-mirror
+final-stream skip.
 
 Indexing (0-based): token i, stream k, expanded index t = i*n + k, so i(t) = t // n and
 s(t) = t % n. The expanded input is S[t] = E_{s(t)}[x_{i(t)}] (HD §2.1).
@@ -18,8 +18,11 @@ and every execution path derives from it: a dense boolean mask for SDPA (the ref
 device, forward and backward), a flex_attention BlockMask (CUDA), and for I layers the
 structural fast path "streams folded into the batch dimension + causal SDPA".
 
+Cached decoding (generate.py) runs the same forward over per-layer caches. Input checks live
+in checks.py.
+
 Run `python hd.py` to see the three masks drawn for n = 2, L = 4 (as in HD Figure 3) and a
-tiny model's loss, skip and decoding.
+tiny model's loss and KV-mirror skip.
 """
 
 from dataclasses import dataclass, replace
@@ -29,8 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from moe import (KVCache, ModelConfig, Transformer, attend, cached_generate, check_flex, check_tokens, dense_mask,
-                 upcast)
+from checks import check_caches, check_flex, check_tokens, is_int
+from moe import ModelConfig, Transformer, causal_after, dense_mask, upcast
 
 # -----------------------------------------------------------------------------
 # Config
@@ -74,32 +77,6 @@ class HDConfig(ModelConfig):
     shared_kv: bool = False
     mirror_skip: bool | None = None
     attn_impl: str = "fast"
-
-    def __post_init__(self):
-        super().__post_init__()
-        if isinstance(self.n_streams, bool) or not isinstance(self.n_streams, int) or self.n_streams < 1:
-            raise ValueError(f"n_streams must be an int >= 1, got {self.n_streams!r}")
-        if not isinstance(self.layout, str):
-            raise ValueError(f"layout must be a string of F, L or I, one per layer, got {self.layout!r}")
-        if len(self.layout) != self.n_layer:
-            raise ValueError(f"layout must have one letter per layer ({self.n_layer}), got {self.layout!r}")
-        if set(self.layout) - set("FLI"):
-            raise ValueError(f"layout letters must be F, L or I, got {self.layout!r}")
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be an int >= 1, got {self.window!r}")
-        if self.positions not in ("expanded", "token"):
-            raise ValueError(f"positions must be 'expanded' or 'token', got {self.positions!r}")
-        if self.objective not in ("final", "all", "sum"):
-            raise ValueError(f"objective must be 'final', 'all' or 'sum', got {self.objective!r}")
-        if self.attn_impl not in ("fast", "dense", "flex"):
-            raise ValueError(f"attn_impl must be 'fast', 'dense' or 'flex', got {self.attn_impl!r}")
-        if self.shared_kv and "I" not in self.layout:
-            raise ValueError(f"shared_kv changes only intra-stream (I) layers; layout {self.layout!r} has none")
-        if self.mirror_skip not in (None, True, False):
-            raise ValueError(f"mirror_skip must be None, True or False, got {self.mirror_skip!r}")
-        if self.mirror_skip and not self.skip_is_exact:
-            raise ValueError("mirror_skip is exact only with objective='final' and kv_mirror=True "
-                             f"(got objective={self.objective!r}, kv_mirror={self.kv_mirror})")
 
     @property
     def skip_is_exact(self):
@@ -176,123 +153,24 @@ def unfold(x, n):
     return x.view(Bn // n, n, L, *x.shape[2:]).transpose(1, 2).reshape(Bn // n, L * n, *x.shape[2:])
 
 
-class StreamCache(KVCache):
-    """The KV cache of an intra-stream (I) layer in cached decoding: every stream's rows are
-    kept, grouped by stream, (B, n, Hkv, block_size, hd), and written in place. update takes
-    the new rows interleaved (t = i*n + k, as the layer computes them) and returns each
-    stream's rows as one view, (B*n, Hkv, S, hd) for the S tokens so far, so reading them
-    copies nothing. (An interleaved cache would have to be regrouped by stream, a copy of
-    every cached row, at every step.) len() counts rows, as KVCache's does."""
+def attention_path(cfg, i, final_only, device, cached=False):
+    """Which attention path serves layer i; decided here only. Every path equals the dense
+    reference (the layer's mask_mod as a boolean matrix); test_hd.py checks each against it.
 
-    def __init__(self, n, block_size):
-        super().__init__(n * block_size)
-        self.n, self.tokens = n, block_size
+        "fold"    streams folded into the batch, each causal (HD §3.2)   fast: I
+        "causal"  SDPA's causal kernel (M^full is plain causal)          fast: F, all rows, uncached
+        "block"   a flex BlockMask                                       fast: the rest uncached, on CUDA
+        "dense"   a dense boolean mask                                   fast: the rest; "dense": all
 
-    def update(self, k, v):
-        n, (B, H, rows, D) = self.n, k.shape
-        if self.len + rows > self.capacity:
-            raise ValueError(f"KV cache full: it holds {self.tokens} tokens x {n} streams, {self.len // n} tokens "
-                             f"are written and {rows // n} more do not fit")
-        if self.k is None:
-            self.k, self.v = (x.new_zeros(B, n, H, self.tokens, D) for x in (k, v))
-        S, L = self.len // n, rows // n
-        for buf, x in ((self.k, k), (self.v, v)):  # (B, H, L*n, D) -> (B, n, H, L, D), into place
-            buf[:, :, :, S:S + L] = x.view(B, H, L, n, D).permute(0, 3, 1, 2, 4)
-        self.len += rows
-        return (buf.view(B * n, H, self.tokens, D)[:, :, :S + L] for buf in (self.k, self.v))
-
-
-class OwnStream:
-    """Intra-stream attention in cached decoding (HD §3.2): each new row reads only its own
-    stream's rows, which a StreamCache hands over grouped by stream, (B*n, h, S, d): each query
-    meets S keys (the S tokens so far) instead of n*S keys under a mask that discards (n-1)/n
-    of them. Passed to attend in place of a mask. final_only: the queries are final-stream rows
-    only (the KV-mirror skip), which read the final stream's keys."""
-
-    def __init__(self, n, final_only):
-        self.n, self.final_only = n, final_only
-
-    def __call__(self, q, k, v):
-        n, B = self.n, q.size(0)
-        S = k.size(2)  # tokens with rows in the cache, the new ones included
-        Lq = q.size(2) if self.final_only else q.size(2) // n  # new tokens
-        # new token j is token S - Lq + j: it sees tokens <= itself (all of them when Lq = 1)
-        mask = None if Lq == 1 else torch.arange(S, device=q.device) <= torch.arange(S - Lq, S, device=q.device)[:, None]
-        if self.final_only:
-            final = lambda x: x.view(B, n, *x.shape[1:])[:, n - 1]  # (B*n, h, S, d) -> stream n-1's (B, h, S, d)
-            return attend(q, final(k), final(v), mask)
-        by_stream = lambda x: fold(x.transpose(1, 2), n).transpose(1, 2)  # (B, h, L*n, d) -> (B*n, h, L, d)
-        y = attend(by_stream(q), k, v, mask)
-        return unfold(y.transpose(1, 2), n).transpose(1, 2)
-
-
-class Recent:
-    """Sliding-window (L) attention in cached decoding: only the cache rows some new row can
-    still reach are read (from `window` - 1 rows before the first new row on), not all of them."""
-
-    def __init__(self, mask_mod, q_t, first_new, window):
-        self.mask_mod, self.q_t, self.first = mask_mod, q_t, max(0, first_new - window + 1)
-
-    def __call__(self, q, k, v):
-        t_kv = torch.arange(self.first, k.size(2), device=q.device)
-        return attend(q, k[:, :, self.first:], v[:, :, self.first:], dense_mask(self.mask_mod, self.q_t, t_kv))
-
-
-class Rows:
-    """The rows of one forward: expanded indices t of the new rows (after `start` cached ones),
-    of every key row, their RoPE positions, the final-stream rows among the new ones, and the
-    masks of each layer (BlockMasks built once per forward, shared by layers of one type)."""
-
-    def __init__(self, cfg, start, L, device):
-        self.cfg, self.device, self.start, n = cfg, device, start, cfg.n_streams
-        self.t = torch.arange(start, start + L * n, device=device)  # expanded indices of the new rows
-        self.t_kv = torch.arange(start + L * n, device=device)  # every row the keys may come from
-        self.pos = self.t if cfg.positions == "expanded" else self.t // n
-        self.final = slice(n - 1, None, n)  # final-stream rows among the new ones
-        self.block_masks = {}
-
-    def mask(self, i, final_only, path):
-        """Layer i's mask for the new rows (or their final-stream rows) against every key row,
-        in the form `path` names (attention_path): "own", "recent", "dense" or "block"."""
-        cfg, mod = self.cfg, layer_mask(self.cfg, i)
-        q_t = self.t[self.final] if final_only else self.t
-        if path == "own":
-            return OwnStream(cfg.n_streams, final_only)
-        if path == "recent":
-            return Recent(mod, q_t, self.start, cfg.window)
-        if path == "dense":
-            return dense_mask(mod, q_t, self.t_kv)
-        key = (cfg.layout[i], final_only)
-        if key not in self.block_masks:
-            mod = on_final_rows(mod, cfg.n_streams) if final_only else mod
-            self.block_masks[key] = create_block_mask(mod, None, None, len(q_t), len(self.t_kv), device=self.device)
-        return self.block_masks[key]
-
-
-def attention_path(cfg, i, cached, final_only, device):
-    """Which attention path serves layer i. Every path equals the dense reference (the layer's
-    mask_mod as a boolean matrix); test_hd.py checks each against it.
-
-        "causal"  SDPA's causal kernel (M^full is plain causal)      fast: F, uncached, all rows
-        "fold"    streams folded into the batch, each causal          fast: I, uncached
-        "own"     OwnStream: a row reads its own stream's cache rows  fast: I, cached
-        "recent"  Recent: only the cache rows the window reaches      fast: L, cached
-        "block"   a flex BlockMask                                    fast: the rest uncached, on CUDA
-        "dense"   a dense boolean mask                                fast: the rest; "dense": all
-
-    With attn_impl "flex" every uncached layer takes "block", cached ones "dense". I means an I
+    attn_impl "flex" gives every uncached layer "block" (cached ones "dense"). I means an I
     layer with per-stream K/V; shared-KV I layers are "the rest". final_only: the queries are
-    the final-stream rows (a mirrored layer under the KV-mirror skip; "fold" then runs the
-    final stream alone, and F is no longer square, so not "causal"). device is read only for
-    uncached layers (make_caches passes None)."""
-    letter = cfg.layout[i]
+    the final-stream rows (a mirrored layer under the KV-mirror skip): "fold" then runs the
+    final stream alone, and F is no longer square, so not "causal"."""
     if cfg.attn_impl != "fast":
         return "block" if cfg.attn_impl == "flex" and not cached else "dense"
-    if letter == "I" and not cfg.shared_kv:
-        return "own" if cached else "fold"
-    if letter == "L" and cached:
-        return "recent"
-    if letter == "F" and not cached and not final_only:
+    if cfg.layout[i] == "I" and not cfg.shared_kv:
+        return "fold"
+    if cfg.layout[i] == "F" and not cached and not final_only:
         return "causal"
     return "block" if not cached and device.type == "cuda" else "dense"
 
@@ -316,56 +194,59 @@ class HiddenDecoding(nn.Module):
         rows = torch.stack([table(idx) for table in self.tables], dim=2)  # (B, L, n, C)
         return rows.flatten(1, 2)
 
-    # Which attention path serves each layer: attention_path. The skip (HD §3.1): mirrored
-    # layers are the last n_layer // 3 (moe.py), so from the first of them on only the
-    # final-stream rows are carried; their K/V still come from every row of the source
-    # layer's input.
-
     def skip_from(self):
-        """Index of the first layer that runs final-stream rows only, or None (no skip)."""
+        """The KV-mirror skip (HD §3.1): mirrored layers are the last n_layer // 3 (moe.py), so
+        from the first of them on only the final-stream rows are carried; their K/V still come
+        from every row of the source layer's input. The first such layer, or None (no skip)."""
         return self.cfg.n_layer - self.cfg.n_layer // 3 if self.cfg.final_stream_skip else None
 
-    def make_caches(self):
-        """One KV cache per layer for cached decoding, room for block_size tokens (n rows each):
-        a StreamCache where the layer reads its own stream ("own"), else an interleaved KVCache."""
-        cfg, skip = self.cfg, self.skip_from()
-        return [StreamCache(cfg.n_streams, cfg.block_size)
-                if attention_path(cfg, i, True, skip is not None and i >= skip, None) == "own"
-                else KVCache(cfg.n_streams * cfg.block_size) for i in range(cfg.n_layer)]
+    def kv_rows_per_token(self, i):
+        """K/V rows layer i keeps per token in cached decoding: 1 where it attends within one
+        stream (folded: the streams are batch rows; or the final stream alone), else n."""
+        skip = self.skip_from()
+        folded = attention_path(self.cfg, i, skip is not None and i >= skip, None, cached=True) == "fold"
+        return 1 if folded else self.cfg.n_streams
 
     def hidden(self, idx, caches=None):
         """Final residual states: (B, L*n, C), or (B, L, C) final-stream rows under the skip."""
-        cfg, n = self.cfg, self.cfg.n_streams
+        cfg, n, dev = self.cfg, self.cfg.n_streams, idx.device
         B, L = idx.shape
-        start = 0 if caches is None else len(caches[0])  # rows already cached
-        if start // n + L > cfg.block_size:
-            raise ValueError(f"sequence of {start // n + L} tokens exceeds block_size={cfg.block_size}")
-        check_flex(cfg.attn_impl, idx.device)
-        rows = Rows(cfg, start, L, idx.device)
-        skip = self.skip_from()
+        start = 0 if caches is None else check_caches(caches, cfg.n_layer, cfg.block_size, self.kv_rows_per_token)
+        if start + L > cfg.block_size:
+            raise ValueError(f"sequence of {start + L} tokens exceeds block_size={cfg.block_size}")
+        check_flex(cfg.attn_impl, dev)
+        t = torch.arange(start * n, (start + L) * n, device=dev)  # expanded indices of the new rows
+        t_kv = torch.arange((start + L) * n, device=dev)  # every row the keys may come from
+        pos = t if cfg.positions == "expanded" else t // n
+        final, skip, block_masks = slice(n - 1, None, n), self.skip_from(), {}
 
         def layer(i, block, x, kv_u):
             cache = None if caches is None else caches[i]
             final_only = skip is not None and i >= skip  # queries: the final-stream rows only
             if i == skip:
-                x = x[:, rows.final]
-            path = attention_path(cfg, i, cache is not None, final_only, idx.device)
-            if (path == "own") != isinstance(cache, StreamCache):
-                raise ValueError(f"layer {i}'s cache is a {type(cache).__name__}, its cached path needs "
-                                 f"{'a StreamCache' if path == 'own' else 'a KVCache'}: take caches from "
-                                 "model.make_caches()")
-            if final_only:  # queries: final-stream rows; keys: every row's (the source layer's input)
-                q_pos = rows.pos[rows.final]
-                if path == "fold":  # the final stream attends to its own rows only
-                    return block(x, q_pos, "causal", kv_u=kv_u[:, rows.final], kv_pos=q_pos)
-                return block(x, q_pos, rows.mask(i, True, path), kv_u=kv_u, kv_pos=rows.pos, cache=cache)
-            if path == "causal":
-                return block(x, rows.pos, "causal", kv_u=kv_u)
-            if path == "fold":
-                x_f, u_f = block(fold(x, n), fold(rows.pos.expand(B, -1), n), "causal",
-                                 kv_u=None if kv_u is None else fold(kv_u, n))
+                x = x[:, final]
+            path = attention_path(cfg, i, final_only, dev, cached=cache is not None)
+            q_t, q_pos = (t[final], pos[final]) if final_only else (t, pos)
+            if path == "fold":  # each stream a causal sequence of its own (new rows after `start` cached)
+                mask = causal_after(start, L, dev)
+                if final_only:  # the final stream alone, its K/V from its own rows of the source state
+                    return block(x, q_pos, mask, kv_u=kv_u[:, final], kv_pos=q_pos, cache=cache)
+                x_f, u_f = block(fold(x, n), fold(pos.expand(B, -1), n), mask,
+                                 kv_u=None if kv_u is None else fold(kv_u, n), cache=cache)
                 return unfold(x_f, n), unfold(u_f, n)
-            return block(x, rows.pos, rows.mask(i, False, path), kv_u=kv_u, cache=cache)
+            mod = layer_mask(cfg, i)
+            if path == "causal":
+                mask = "causal"
+            elif path == "dense":
+                mask = dense_mask(mod, q_t, t_kv)
+            else:  # "block": built once per forward, shared by the layers of one type
+                key = (cfg.layout[i], final_only)
+                if key not in block_masks:
+                    mod = on_final_rows(mod, n) if final_only else mod
+                    block_masks[key] = create_block_mask(mod, None, None, len(q_t), len(t_kv), device=dev)
+                mask = block_masks[key]
+            kv = dict(kv_u=kv_u, kv_pos=pos) if final_only else dict(kv_u=kv_u)  # keys: every row's
+            return block(x, q_pos, mask, cache=cache, **kv)
 
         return self.backbone.run_blocks(self.embed(idx), layer)
 
@@ -398,12 +279,6 @@ class HiddenDecoding(nn.Module):
             loss = F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten(), ignore_index=-1)
         return logits, loss
 
-    def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None):
-        """Cached decoding (HD §3.2): each new token enters as its n stream rows in one step
-        (forward does that); all n rows are cached in every layer; the final stream's logits
-        pick the next token."""
-        return cached_generate(self, idx, max_new_tokens, temperature, sample_top_k, generator)
-
 
 # -----------------------------------------------------------------------------
 # Progressive expansion (HD §2.3): copy embedding tables cyclically, keep the backbone
@@ -416,8 +291,10 @@ def expand_streams(model, n_new, **overrides):
     the same operation: its wte is E_0). The backbone and LM head carry over unchanged.
     overrides: HDConfig fields of the new model (e.g. layout, objective); shape fields must match.
     """
-    if isinstance(n_new, bool) or not isinstance(n_new, int) or n_new < 1:
+    if not is_int(n_new) or n_new < 1:
         raise ValueError(f"n_new must be an int >= 1, got {n_new!r}")
+    if overrides.get("n_streams", n_new) != n_new:
+        raise ValueError(f"n_streams={overrides['n_streams']} contradicts n_new={n_new}: give n_new only")
     if isinstance(model, HiddenDecoding):
         cfg, tables = model.cfg, [t.weight for t in model.tables]
         body = model.backbone.state_dict()
@@ -489,5 +366,4 @@ if __name__ == "__main__":
         ref_logits, ref_loss = ref.eval()(idx[:, :-1], idx[:, 1:])
     print(f"\nHD n={cfg.n_streams}, layout {cfg.layout}: loss {loss.item():.4f}; KV-mirror skip + fast paths vs "
           f"all-stream dense reference: max |dlogits| = {(logits - ref_logits).abs().max().item():.2e}")
-    out = model.generate(idx[:1, :8], 12, temperature=0)
-    print(f"cached greedy decoding: {idx[0, :8].tolist()} -> {out[0, 8:].tolist()}")
+

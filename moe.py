@@ -15,9 +15,11 @@ Follows the WeLM blog post "Building effective sparse MoE models with moderate r
 
 hd.py and tah.py reuse `Block`, `attend` and `Transformer.run_blocks` as they are: every
 attention call takes "causal", a dense boolean mask built from a `mask_mod`, or (CUDA) a
-flex_attention BlockMask.
+flex_attention BlockMask. Decoding with a KV cache lives in generate.py; a forward reads a
+cache through two calls only, `len(cache)` (rows held) and `cache.update(k, v)` (append, and
+get back every row's K and V). Input checks live in checks.py.
 
-Run `python moe.py` for a small demo: forward, loss, a few sampled tokens, expert loads.
+Run `python moe.py` for a small demo: forward, loss, expert loads, a greedy continuation.
 """
 
 import math
@@ -28,6 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from checks import check_caches, check_config, check_tokens
 
 # -----------------------------------------------------------------------------
 # Config
@@ -78,39 +82,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
 
     def __post_init__(self):
-        for name in ("vocab_size", "block_size", "n_layer", "n_embd", "n_head", "n_kv_head",
-                     "head_dim", "expert_hidden", "ffn_hidden"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
-        for name in ("rope_fraction", "rope_base", "balance_gamma", "norm_eps"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)) \
-                    or not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
-        if not 0.0 < self.rope_fraction <= 1.0:
-            raise ValueError(f"rope_fraction must be in (0, 1], got {self.rope_fraction}")
-        if self.rope_dim < 2 or self.rope_dim % 2:
-            raise ValueError(f"rope_fraction * head_dim must round to an even number >= 2, got "
-                             f"{self.rope_fraction} * {self.head_dim} -> {self.rope_dim}")
-        if self.rope_base <= 1.0:
-            raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
-        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
-            raise ValueError(f"n_experts must be an int >= 0, got {self.n_experts!r}")
-        if self.n_experts > 0 and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                   or not 1 <= self.top_k <= self.n_experts):
-            raise ValueError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
-        if self.balance_gamma < 0:
-            raise ValueError(f"balance_gamma must be >= 0, got {self.balance_gamma}")
-        if self.moe_dispatch not in ("auto", "grouped_mm", "loop"):
-            raise ValueError(f"moe_dispatch must be 'auto', 'grouped_mm' or 'loop', got {self.moe_dispatch!r}")
-        if not isinstance(self.kv_mirror, bool):
-            raise ValueError(f"kv_mirror must be True or False, got {self.kv_mirror!r}")
-        if self.kv_mirror and self.n_layer < 3:
-            raise ValueError(f"kv_mirror needs n_layer >= 3 (a first and a last third), got n_layer={self.n_layer}")
-        if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        check_config(self)  # the table of every field's rules: checks.MODEL
 
     @property
     def rope_dim(self) -> int:
@@ -149,46 +121,6 @@ def apply_rope(x, pos, rope_dim, base):
     return torch.cat([rot, rest], dim=-1)
 
 
-class KVCache:
-    """Keys and values of one layer for cached decoding.
-
-    capacity (rows): allocated once, at the first write, and written in place, as a serving
-    engine's static cache: a step writes its new rows and attention reads a view of the rows
-    so far, so nothing already cached is copied again. Unwritten rows hold zeros (finite, so a
-    masked-out row contributes exactly nothing). capacity None: grows by concatenation, for a
-    single forward that writes more than once under autograd (TaH's passes), where an in-place
-    write would change what an earlier pass saved for its backward.
-    """
-
-    def __init__(self, capacity=None):
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
-            raise ValueError(f"capacity must be None or an int >= 1, got {capacity!r}")
-        self.capacity, self.len = capacity, 0
-        self.k = self.v = None
-
-    def __len__(self):
-        return self.len  # a Python int: reading it never waits on the device
-
-    def update(self, k, v):
-        """Append k, v (B, Hkv, T, hd); return the K and V of every row so far."""
-        T = k.size(2)
-        if self.capacity is None:
-            self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-            self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-            self.len += T
-            return self.k, self.v
-        if self.len + T > self.capacity:
-            raise ValueError(f"KV cache full: it holds {self.capacity} rows, {self.len} are written and "
-                             f"{T} more do not fit")
-        if self.k is None:
-            self.k = k.new_zeros(*k.shape[:2], self.capacity, k.size(3))
-            self.v = v.new_zeros(*v.shape[:2], self.capacity, v.size(3))
-        self.k[:, :, self.len:self.len + T] = k
-        self.v[:, :, self.len:self.len + T] = v
-        self.len += T
-        return self.k[:, :, :self.len], self.v[:, :, :self.len]
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -214,8 +146,8 @@ class Attention(nn.Module):
 
         kv_u/kv_pos: where keys and values come from instead of u/pos: the source layer's
         normalized input under KV-Mirror (and, in hd.py's final-stream skip, more rows than u).
-        cache: a KVCache (or anything with its update); the new K/V are appended and
-        attention reads every row it returns.
+        cache: anything with update(k, v) -> the K, V of every row so far (generate.KVCache);
+        the new K/V are appended and attention reads every row it returns.
         """
         B, T, _ = u.shape
         q = self.q_proj(u).view(B, T, self.cfg.n_head, -1).transpose(1, 2)  # (B, H, T, hd)
@@ -237,6 +169,15 @@ def causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
+def causal_after(start, T, device):
+    """The causal mask of T new rows after `start` cached ones (cached decoding)."""
+    if start == 0:
+        return "causal"
+    if T == 1:  # a single new row sees every cached row: no mask to build
+        return None
+    return dense_mask(causal, torch.arange(start, start + T, device=device), torch.arange(start + T, device=device))
+
+
 def dense_mask(mask_mod, q_idx, kv_idx):
     """The reference form of any mask_mod: a (Tq, Tk) boolean tensor, True = may attend."""
     return mask_mod(0, 0, q_idx[:, None], kv_idx[None, :])
@@ -249,12 +190,9 @@ def attend(q, k, v, mask):
     """Scaled dot-product attention, q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd) -> (B, H, Tq, hd).
 
     mask: "causal" (Tq == Tk, SDPA's own causal kernel: FlashAttention on CUDA), a boolean
-    tensor broadcastable to (B, H, Tq, Tk), or a flex_attention BlockMask. Rows that see no
-    key give 0 on every path. A caller with a structure SDPA cannot see (hd.py's per-stream
-    decoding) passes a function (q, k, v) -> output instead, which calls attend itself.
+    tensor broadcastable to (B, H, Tq, Tk), None (every key), or a flex_attention BlockMask.
+    Rows that see no key give 0 on every path.
     """
-    if callable(mask) and not isinstance(mask, BlockMask):
-        return mask(q, k, v)
     gqa = q.size(1) != k.size(1)
     if isinstance(mask, BlockMask):
         global _flex_compiled
@@ -422,17 +360,15 @@ class Transformer(nn.Module):
         return x
 
     def forward(self, idx, targets=None, caches=None):
-        """idx (B, T) -> (logits (B, T, V), loss or None). With caches, idx continues them."""
+        """idx (B, T) -> (logits (B, T, V), loss or None). With caches (one per layer, see
+        generate.py), idx continues the rows they hold."""
         check_tokens(idx, targets, self.cfg.vocab_size)
         B, T = idx.shape
-        start = 0 if caches is None else len(caches[0])
+        start = 0 if caches is None else check_caches(caches, self.cfg.n_layer, self.cfg.block_size)
         if start + T > self.cfg.block_size:
             raise ValueError(f"sequence of {start + T} positions exceeds block_size={self.cfg.block_size}")
         pos = torch.arange(start, start + T, device=idx.device)
-        if start == 0:
-            mask = "causal"
-        else:  # a single new token sees every cached row: no mask to build
-            mask = None if T == 1 else dense_mask(causal, pos, torch.arange(start + T, device=idx.device))
+        mask = causal_after(start, T, idx.device)
 
         def layer(i, block, x, kv_u):  # hd.py and tah.py write their own (masks, streams, depths)
             return block(x, pos, mask, kv_u=kv_u, cache=None if caches is None else caches[i])
@@ -457,105 +393,6 @@ class Transformer(nn.Module):
         loads = [m.update_bias(gamma) for m in self.moe_layers()]
         return torch.stack(loads) if loads else torch.zeros(0, 0)
 
-    def make_caches(self):
-        """One KV cache per layer for cached decoding, room for block_size tokens each."""
-        return [KVCache(self.cfg.block_size) for _ in self.blocks]
-
-    def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None):
-        """Sample max_new_tokens after idx (B, T) with a KV cache; temperature 0 is greedy."""
-        return cached_generate(self, idx, max_new_tokens, temperature, sample_top_k, generator)
-
-
-@torch.no_grad()
-def cached_generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None):
-    """Sample max_new_tokens after idx (B, T) with one KV cache per layer; temperature 0 is
-    greedy. Serves any model whose forward(idx, caches=...) continues the caches its
-    make_caches() gives (moe, hd)."""
-    check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
-    caches = model.make_caches()
-    B, T = idx.shape
-    out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # the tokens, written in place
-    logits, _ = model(idx, caches=caches)
-    for t in range(T, T + max_new_tokens):
-        out[:, t:t + 1] = sample(logits[:, -1], temperature, sample_top_k, generator)
-        if t + 1 < T + max_new_tokens:  # the last token is returned, not fed
-            logits, _ = model(out[:, t:t + 1], caches=caches)
-    return out
-
-
-def check_tokens(idx, targets, vocab_size, values=None):
-    """Model inputs: idx (B, T) integer ids in [0, vocab_size) with B, T >= 1; targets None or
-    integer ids of exactly idx's shape in [0, vocab_size), -1 = ignored, at least one kept.
-
-    Types and shapes are always checked (free). values: also check the ids themselves; None =
-    where that is free, on CPU. On CUDA, reading a min or a max makes the host wait for the
-    device, once per forward, so there a forward skips it: generate checks its prompt once per
-    call, and an id out of range still stops at the embedding's (or cross-entropy's) own
-    device-side bounds check rather than giving a number; targets that are all -1 give a nan
-    loss there (the trainer stops an arm whose weights turn non-finite).
-    """
-    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"idx must be an integer tensor of token ids (int64 or int32, as nn.Embedding takes), "
-                         f"got {getattr(idx, 'dtype', type(idx))}")
-    if idx.dim() != 2 or idx.numel() == 0:
-        raise ValueError(f"idx must have shape (B, T) with B, T >= 1, got {tuple(idx.shape)}")
-    if targets is not None:
-        if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
-            raise ValueError(f"targets must be an integer tensor (int64, as cross_entropy takes), "
-                             f"got {getattr(targets, 'dtype', type(targets))}")
-        if targets.shape != idx.shape:
-            raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
-    if not (idx.device.type == "cpu" if values is None else values):
-        return
-    if idx.min() < 0 or idx.max() >= vocab_size:
-        raise ValueError(f"idx must hold ids in [0, vocab_size={vocab_size}), got [{idx.min().item()}, {idx.max().item()}]")
-    if targets is None:
-        return
-    if targets.min() < -1 or targets.max() >= vocab_size:
-        raise ValueError(f"targets must be ids in [0, vocab_size={vocab_size}) or -1 (ignored), got "
-                         f"[{targets.min().item()}, {targets.max().item()}]")
-    if (targets == -1).all():
-        raise ValueError("every target is -1 (ignored): the loss would be 0/0")
-
-
-def check_flex(attn_impl, device):
-    """flex_attention has no backward on CPU (torch 2.13): say so before torch fails inside it."""
-    if attn_impl == "flex" and device.type == "cpu" and torch.is_grad_enabled():
-        raise ValueError("attn_impl='flex' runs forward only on CPU (torch has no flex_attention backward "
-                         "there): call it under torch.no_grad(), or train with the default attn_impl")
-
-
-def check_generation(idx, max_new_tokens, temperature, sample_top_k, cfg):
-    """generate's arguments, for any model config (moe, hd, tah): one clear error each. The
-    prompt's ids are checked here on every device (one wait per call, not one per step)."""
-    check_tokens(idx, None, cfg.vocab_size, values=True)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if idx.size(1) + max_new_tokens > cfg.block_size:
-        raise ValueError(f"prompt {idx.size(1)} + max_new_tokens {max_new_tokens} exceeds block_size={cfg.block_size}")
-    check_sampling(temperature, sample_top_k, cfg.vocab_size)
-
-
-def check_sampling(temperature, sample_top_k, vocab_size):
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    k = sample_top_k
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size):
-        raise ValueError(f"sample_top_k must be an int in [1, {vocab_size}], got {k!r}")
-
-
-def sample(logits, temperature=1.0, sample_top_k=None, generator=None):
-    """One token id per row of logits (B, V), as a (B, 1) tensor; sample_top_k keeps only the
-    k largest logits (the sampling cut-off, not the MoE's top_k experts per token)."""
-    check_sampling(temperature, sample_top_k, logits.size(-1))
-    if temperature == 0:
-        return logits.argmax(-1, keepdim=True)
-    logits = upcast(logits) / temperature
-    if sample_top_k is not None:
-        kth = torch.topk(logits, sample_top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-
 
 # -----------------------------------------------------------------------------
 
@@ -574,5 +411,8 @@ if __name__ == "__main__":
     print(f"expert load per layer (tokens x top_k = {idx[:, :-1].numel() * cfg.top_k} selections), max/mean:")
     for i, row in enumerate(load):
         print(f"  moe layer {i}: {row.int().tolist()}  max/mean {(row.max() / row.mean()).item():.2f}")
-    out = model.generate(idx[:1, :8], 16, temperature=1.0, sample_top_k=20, generator=torch.Generator().manual_seed(0))
-    print(f"generate (untrained, sample_top_k=20): prompt {idx[0, :8].tolist()} -> {out[0, 8:].tolist()}")
+    out = idx[:1, :8]
+    with torch.no_grad():  # greedy, one full forward per token (generate.py decodes with a KV cache)
+        for _ in range(16):
+            out = torch.cat([out, model(out)[0][:, -1:].argmax(-1)], dim=1)
+    print(f"greedy continuation (untrained): prompt {idx[0, :8].tolist()} -> {out[0, 8:].tolist()}")

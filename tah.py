@@ -18,23 +18,26 @@ Depths are 0-based here (the paper's d = 1 is depth 0). Token i runs D_i passes,
   matching embedding rows (Eq. 4). Output logits: the sum over the depths a token ran.
 - Iteration decider: an MLP on hidden states of a few layers and the top-k logit values;
   continue iff sigmoid > threshold and depth < max_depth.
-- Oracle labels (Eq. 7, App. A.2.1), stage-1 and stage-2 losses (§4.3), and cached decoding
-  where the decider sets each token's depth.
+- Oracle labels (Eq. 7, App. A.2.1) and the stage-1 and stage-2 losses (§4.3).
 
-Run `python tah.py` for a small demo: the duo-causal mask drawn, the four routing modes, and
-decoding with the decider.
+Decoding, where the decider sets each token's depth as it is generated, lives in generate.py;
+input checks live in checks.py.
+
+Run `python tah.py` for a small demo: the duo-causal mask drawn and the four routing modes.
 """
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from moe import KVCache, ModelConfig, Transformer, check_flex, check_generation, check_tokens, sample, upcast
+from checks import check_oracle, check_routing, check_stage2
+from moe import ModelConfig, Transformer, upcast
 
 MODES = ("standard", "always", "oracle", "decider")
 
@@ -76,35 +79,6 @@ class TaHConfig(ModelConfig):
     attention: str = "duo"
     gather: bool = True
     attn_impl: str = "dense"
-
-    def __post_init__(self):
-        super().__post_init__()
-        for name in ("max_depth", "lora_rank", "logit_topk", "decider_hidden"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
-                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
-        if self.max_depth < 1:
-            raise ValueError(f"max_depth must be an int >= 1, got {self.max_depth!r}")
-        if self.lora_rank < 1:
-            raise ValueError(f"lora_rank must be >= 1, got {self.lora_rank}")
-        if not isinstance(self.lora_alpha, (int, float)) or not math.isfinite(self.lora_alpha):
-            raise ValueError(f"lora_alpha must be a finite number, got {self.lora_alpha!r}")
-        if not 1 <= self.logit_topk <= self.vocab_size:
-            raise ValueError(f"logit_topk must be in [1, vocab_size={self.vocab_size}], got {self.logit_topk}")
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
-                or not 0.0 < self.threshold < 1.0:
-            raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
-        if not isinstance(self.decider_layers, (tuple, list)):
-            raise ValueError(f"decider_layers must be a tuple of hidden-state indices, got {self.decider_layers!r}")
-        bad = [l for l in self.decider_layers if isinstance(l, bool) or not isinstance(l, int) or not 0 <= l <= self.n_layer]
-        if bad:
-            raise ValueError(f"decider_layers must be hidden-state indices in [0, n_layer={self.n_layer}] "
-                             f"(0: the pass's input), got {bad}")
-        if self.decider_hidden < 1:
-            raise ValueError(f"decider_hidden must be >= 1, got {self.decider_hidden}")
-        if self.attention not in ("duo", "first_depth", "depth_local"):
-            raise ValueError(f"attention must be 'duo', 'first_depth' or 'depth_local', got {self.attention!r}")
-        if self.attn_impl not in ("dense", "flex"):
-            raise ValueError(f"attn_impl must be 'dense' or 'flex', got {self.attn_impl!r}")
 
     @property
     def decider_states(self):
@@ -151,11 +125,8 @@ def dense_batch_mask(mask_mod, B, Tq, Tk, device):
 
 class LoRALinear(nn.Module):
     """y = W x + (alpha / r) * B A x, the second term only while `active`. B starts at 0, so
-    the adapter starts as a no-op (Hu et al. 2022).
-
-    In decoding (ThinkAtHard.lora_merged) an active adapter runs as one matmul with the merged
-    weight W + (alpha / r) B A, the same map up to rounding, so a deeper pass costs what the
-    first does instead of three matmuls per linear."""
+    the adapter starts as a no-op (Hu et al. 2022). `merged`: W + (alpha / r) B A, set while
+    generate.lora_merged decodes (one matmul instead of three, the same map up to rounding)."""
 
     def __init__(self, base: nn.Linear, rank, alpha):
         super().__init__()
@@ -164,7 +135,7 @@ class LoRALinear(nn.Module):
         self.B = nn.Parameter(torch.zeros(base.out_features, rank))
         self.scale = alpha / rank
         self.active = False
-        self.merged = None  # W + (alpha / r) B A while ThinkAtHard.lora_merged holds it
+        self.merged = None
 
     def forward(self, x):
         if not self.active:
@@ -222,28 +193,23 @@ class Decider(nn.Module):
 # The model
 
 
-class TaHCache:
-    """Per-layer K/V of every (position, depth) state computed so far, with their lookups:
-    position, depth and whether the state exists, (B, rows) tensors. Every batch row gets the
-    same row slots per pass; a batch row a pass skips (or a padded query) leaves its slot
-    marked absent, and the mask reads positions and depths, not row order.
+class DepthKV:
+    """The K/V of every (position, depth) state a forward has computed, per layer, and their
+    lookups: position, depth and whether the state exists, (B, rows) each. The K/V of all depths
+    are concatenated (§4.1): each pass appends its rows and attends to all of them under the
+    duo-causal mask. Every batch row gets the same row slots per pass; a batch row the pass
+    skips (or a padded query) leaves its slots marked absent, and the mask reads positions and
+    depths, not row order. Grows by concatenation, so every pass stays in the autograd graph
+    (generate.TaHCache is the preallocated one for decoding)."""
 
-    capacity (rows): preallocated and written in place (decoding: model.make_cache); None:
-    grows by concatenation (one training forward, whose passes must stay in the autograd graph).
-    """
+    def __init__(self, n_layer, B, device):
+        self.kv = [[None, None] for _ in range(n_layer)]
+        self.lookups = [torch.zeros(B, 0, dtype=dt, device=device) for dt in (torch.long, torch.long, torch.bool)]
+        self.batch, self.len, self.slot, self.next_pos = B, 0, 0, 0
 
-    def __init__(self, n_layer, B, device, capacity=None):
-        self.layers = [KVCache(capacity) for _ in range(n_layer)]
-        self.capacity, self.len = capacity, 0
-        rows = capacity or 0
-        self._pos = torch.zeros(B, rows, dtype=torch.long, device=device)
-        self._depth = torch.zeros(B, rows, dtype=torch.long, device=device)
-        self._valid = torch.zeros(B, rows, dtype=torch.bool, device=device)
-        self.next_pos = 0  # position of the next token
-
-    pos = property(lambda self: self._pos[:, :self.len])
-    depth = property(lambda self: self._depth[:, :self.len])
-    valid = property(lambda self: self._valid[:, :self.len])
+    pos = property(lambda self: self.lookups[0][:, :self.len])
+    depth = property(lambda self: self.lookups[1][:, :self.len])
+    valid = property(lambda self: self.lookups[2][:, :self.len])
 
     def reserve(self, T, block_size):
         """Claim positions for T new tokens; returns the first one."""
@@ -253,52 +219,27 @@ class TaHCache:
         self.next_pos += T
         return start
 
-    def add(self, pos, depth, valid, rows=None):
-        """New row slots for one pass: the states (pos, depth, valid) (B', Tq) of batch rows
-        `rows` (B',), None = every row; the other rows' slots are absent."""
+    def write(self, buf, new, dim, rows):
+        """buf with new appended along dim, for batch rows `rows` (None: all; the others get zeros)."""
         if rows is not None:
-            pos, depth, valid = (x.new_zeros(self._pos.size(0), x.size(1)).index_copy(0, rows, x)
-                                 for x in (pos, depth, valid))
-        Tq = pos.size(1)
-        if self.capacity is None:
-            self._pos, self._depth, self._valid = (torch.cat([a, b], 1) for a, b in
-                                                   ((self._pos, pos), (self._depth, depth), (self._valid, valid)))
-        else:
-            if self.len + Tq > self.capacity:
-                raise ValueError(f"TaH cache full: it holds {self.capacity} rows, {self.len} are written and "
-                                 f"{Tq} more do not fit")
-            for buf, x in ((self._pos, pos), (self._depth, depth), (self._valid, valid)):
-                buf[:, self.len:self.len + Tq] = x
-        self.len += Tq
+            new = new.new_zeros(self.batch, *new.shape[1:]).index_copy(0, rows, new)
+        return new if buf is None else torch.cat([buf, new], dim)
+
+    def add(self, pos, depth, valid, rows=None):
+        """Row slots for one pass: the states (pos, depth, valid) (B', Tq) of batch rows `rows`."""
+        self.lookups = [self.write(buf, x, 1, rows) for buf, x in zip(self.lookups, (pos, depth, valid))]
+        self.slot, self.len = self.len, self.len + pos.size(1)
+
+    def update(self, i, k, v, rows=None):
+        """Write layer i's new K/V (B', Hkv, Tq, hd) into this pass's slots; return the K/V of
+        every row so far, of batch rows `rows`."""
+        self.kv[i] = [self.write(buf, x, 2, rows) for buf, x in zip(self.kv[i], (k, v))]
+        k, v = (x.narrow(2, 0, self.len) for x in self.kv[i])
+        return (k, v) if rows is None else (k.index_select(0, rows), v.index_select(0, rows))
 
     def layer(self, i, rows=None):
-        """Layer i's K/V cache as a pass over batch rows `rows` sees it (None: every row)."""
-        return self.layers[i] if rows is None else RowsOf(self.layers[i], rows)
-
-
-class RowsOf:
-    """A layer's KV cache seen by a pass that runs batch rows `rows` only: their new K/V go
-    into those rows' slots (the other rows' slots stay as they are, marked absent in the
-    lookups), and attention reads those rows' K/V (a copy of theirs alone)."""
-
-    def __init__(self, cache, rows):
-        self.cache, self.rows = cache, rows
-
-    def update(self, k, v):
-        c, T = self.cache, k.size(2)
-        if c.k is None:
-            raise ValueError("a pass over some batch rows needs a cache that every row has written")
-        if c.capacity is None:  # growing: a full-batch block with zeros in the other rows' slots
-            k, v = (x.new_zeros(c.k.size(0), *x.shape[1:]).index_copy(0, self.rows, x) for x in (k, v))
-            k, v = c.update(k, v)
-        else:  # preallocated: write in place
-            if c.len + T > c.capacity:
-                raise ValueError(f"KV cache full: it holds {c.capacity} rows, {c.len} are written and {T} more do not fit")
-            c.k[:, :, c.len:c.len + T].index_copy_(0, self.rows, k)
-            c.v[:, :, c.len:c.len + T].index_copy_(0, self.rows, v)
-            c.len += T
-            k, v = c.k[:, :, :c.len], c.v[:, :, :c.len]
-        return k.index_select(0, self.rows), v.index_select(0, self.rows)
+        """Layer i as a pass over batch rows `rows` sees it: what moe.Attention calls update on."""
+        return SimpleNamespace(update=partial(self.update, i, rows=rows))
 
 
 @dataclass
@@ -331,25 +272,6 @@ def gather(t, sel, rows=None):
     return t[rows[:, None], sel]
 
 
-def check_routing(mode, idx, targets, depths, cfg):
-    """forward's inputs: a known mode, token ids, and for the oracle integer depths in range."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    check_tokens(idx, targets, cfg.vocab_size)
-    max_depth = cfg.max_depth
-    if mode == "oracle":
-        if not isinstance(depths, torch.Tensor) or depths.shape != idx.shape:
-            raise ValueError("mode 'oracle' needs depths of the same shape as idx")
-        if depths.dtype.is_floating_point or depths.dtype == torch.bool:
-            raise ValueError(f"depths must be integers (passes per token), got {depths.dtype}")
-        if depths.device.type != "cpu":  # no wait for the device: an assert the device checks
-            torch._assert_async((depths >= 1).all() & (depths <= max_depth).all(),
-                                f"depths must be in [1, max_depth={max_depth}]")
-        elif depths.min() < 1 or depths.max() > max_depth:
-            raise ValueError(f"depths must be in [1, max_depth={max_depth}], got "
-                             f"[{depths.min().item()}, {depths.max().item()}]")
-
-
 class ThinkAtHard(nn.Module):
     def __init__(self, cfg: TaHConfig):
         super().__init__()
@@ -363,20 +285,6 @@ class ThinkAtHard(nn.Module):
         for m in self.loras:
             m.active = active
 
-    @contextmanager
-    def lora_merged(self):
-        """Within: each adapter runs merged into its weight, W + (alpha / r) B A, one matmul
-        where it would take three (the same map up to rounding). For decoding, where the
-        weights hold still; no gradient reaches A or B through a merged weight."""
-        with torch.no_grad():
-            for m in self.loras:
-                m.merged = torch.addmm(m.base.weight, m.B, m.A, alpha=m.scale)
-        try:
-            yield
-        finally:
-            for m in self.loras:
-                m.merged = None
-
     def next_input(self, summed_logits):
         """Eq. 4 with the top-k only: softmax over the top-k logits, zero weight elsewhere, times
         the embedding table. (A dense (.., V) @ (V, C) product: the same sum as gathering the k
@@ -388,20 +296,16 @@ class ThinkAtHard(nn.Module):
         w = torch.zeros(*vals.shape[:-1], E.size(0), dtype=E.dtype, device=E.device)
         return w.scatter(-1, ids, F.softmax(vals, dim=-1).to(E.dtype)) @ E
 
-    def forward(self, idx, targets=None, mode="standard", depths=None, cache=None, features=False):
+    def forward(self, idx, targets=None, mode="standard", depths=None, cache=None, features=False, threshold=None):
         """Depth-wise forward of idx (B, T) under a routing mode:
         standard (every token 1 pass), always (max_depth), oracle (the given depths (B, T)),
-        decider (the decider decides after each pass). With a cache, idx continues it.
-        features=True keeps the decider's inputs for every pass (stage 2).
+        decider (the decider decides after each pass, at `threshold`, None: cfg.threshold).
+        With a cache, idx continues it. features=True keeps the decider's inputs for every
+        pass (stage 2).
         """
-        cfg = self.cfg
-        check_routing(mode, idx, targets, depths, cfg)
-        check_flex(cfg.attn_impl, idx.device)
-        B, T = idx.shape
-        if cache is None:
-            cache = TaHCache(cfg.n_layer, B, idx.device)
-        elif cache.pos.size(0) != B:
-            raise ValueError(f"the cache holds {cache.pos.size(0)} batch rows, idx has {B}")
+        cfg, (B, T) = self.cfg, idx.shape
+        check_routing(cfg, MODES, idx, targets, mode, depths, cache, threshold)
+        cache = DepthKV(cfg.n_layer, B, idx.device) if cache is None else cache
         start = cache.reserve(T, cfg.block_size)
         summed = first = None  # (B, T, V): logits summed over the depths run so far; depth 0's
         ran = torch.zeros(B, T, dtype=torch.long, device=idx.device)  # passes each token ran
@@ -418,19 +322,23 @@ class ThinkAtHard(nn.Module):
             logits = self.backbone.lm_head(self.backbone.norm_f(h))  # (B', Tq, V)
             summed, ran = self.accumulate(summed, ran, logits, rows, sel, valid, d)
             first = summed if d == 0 else first
-            p = DepthPass(d, rows, sel, valid, h)
+            passes.append(DepthPass(d, rows, sel, valid, h))
             if mode == "decider" or features:
-                topv = torch.topk(upcast(gather(summed, sel, rows)), cfg.logit_topk, dim=-1).values
-                p.features = DeciderInput([kept[l] for l in cfg.decider_states],
-                                          topv.to(self.decider.logit_proj.weight.dtype))  # its weights' dtype
-                p.score = self.decider(p.features) if mode == "decider" else None
-            passes.append(p)
+                self.read_decider(passes[-1], kept, gather(summed, sel, rows), score=mode == "decider")
             if d + 1 < cfg.max_depth:
-                active = self.route(mode, depths, p, d, (B, T))
+                active = self.route(mode, depths, passes[-1], d, (B, T), threshold or cfg.threshold)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(upcast(summed.flatten(0, 1)), targets.flatten(), ignore_index=-1)
         return TaHOutput(summed, loss, ran, first, passes)
+
+    def read_decider(self, p, kept, summed, score):
+        """The decider's view of pass p (§4.2): the hidden states in cfg.decider_states and the
+        top-k values of the running summed logits (B', Tq, V); its raw scores if `score`."""
+        topv = torch.topk(upcast(summed), self.cfg.logit_topk, dim=-1).values
+        p.features = DeciderInput([kept[l] for l in self.cfg.decider_states],
+                                  topv.to(self.decider.logit_proj.weight.dtype))  # its weights' dtype
+        p.score = self.decider(p.features) if score else None
 
     def batch_rows(self, active, d):
         """The batch rows depth d runs: None = every row (depth 0, and gather=False, the
@@ -499,12 +407,12 @@ class ThinkAtHard(nn.Module):
         summed = summed.index_put((b_i, t_i), logits[valid], accumulate=True)
         return summed, ran.index_put((b_i, t_i), torch.full_like(t_i, d + 1))
 
-    def route(self, mode, depths, p, d, shape):
+    def route(self, mode, depths, p, d, shape, threshold):
         """Which tokens go on to depth d + 1: (B, T) bool."""
         if mode == "decider":  # go on iff sigmoid(score) > threshold
             b_i = p.rows[:, None].expand_as(p.sel)[p.valid]
             go = torch.zeros(shape, dtype=torch.bool, device=p.sel.device)
-            return go.index_put((b_i, p.sel[p.valid]), torch.sigmoid(p.score[p.valid]) > self.cfg.threshold)
+            return go.index_put((b_i, p.sel[p.valid]), torch.sigmoid(p.score[p.valid]) > threshold)
         want = {"standard": 1, "always": self.cfg.max_depth, "oracle": depths}[mode]
         return torch.as_tensor(want, device=p.sel.device).expand(shape) > d + 1
 
@@ -524,8 +432,7 @@ class ThinkAtHard(nn.Module):
         as the authors' code does (about #stop / #continue of their data set: 4.8 and 5.4).
         Returns (mean loss over decisions, scores, labels).
         """
-        if self.cfg.max_depth < 2:
-            raise ValueError("stage2_loss needs max_depth >= 2: with one pass there is no decision to learn")
+        check_stage2(self.cfg, idx, depths, pos_weight)
         with torch.no_grad():  # gradient reaches the decider only
             # the last pass makes no decision, and passes before it never read its keys (k <= d
             # in every attention variant), so it is not run
@@ -534,40 +441,16 @@ class ThinkAtHard(nn.Module):
         for p in out.passes[:self.cfg.max_depth - 1]:
             s = self.decider(p.features.rows(p.valid))
             c = (gather(depths, p.sel, p.rows)[p.valid] > p.depth + 1).to(s.dtype)
-            w = (c == 0).sum().clamp(min=1) / (c == 1).sum().clamp(min=1) if pos_weight is None else pos_weight
+            # w^(d) = #stop / #continue (0 when every decision continues), in the scores' dtype
+            w = (c == 0).sum().to(s.dtype) / (c == 1).sum().clamp(min=1).to(s.dtype) if pos_weight is None \
+                else torch.tensor(pos_weight, dtype=s.dtype, device=s.device)
             scores.append(s)
             labels.append(c)
-            weights.append(torch.where(c == 1, torch.as_tensor(w).to(s), torch.ones_like(s)))
+            weights.append(torch.where(c == 1, w, torch.ones_like(s)))
         scores, labels, weights = torch.cat(scores), torch.cat(labels), torch.cat(weights)
         # BCE-with-logits where only the continue term carries the weight: w c log s + (1 - c) log(1 - s)
         loss = -(weights * labels * F.logsigmoid(scores) + (1 - labels) * F.logsigmoid(-scores)).mean()
         return loss, scores, labels
-
-    def make_cache(self, B, device):
-        """A preallocated cache for decoding B rows: room for block_size tokens at every depth."""
-        return TaHCache(self.cfg.n_layer, B, device, capacity=self.cfg.block_size * self.cfg.max_depth)
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None, mode="decider"):
-        """Token-by-token decoding with a per-(layer, depth) cache; the decider (or another
-        routing mode) sets each token's depth. Returns (tokens (B, T + new), depths of every
-        token that entered the model (B, T + new - 1))."""
-        check_generation(idx, max_new_tokens, temperature, sample_top_k, self.cfg)
-        if mode == "oracle":
-            raise ValueError("generate cannot use mode 'oracle': it needs the reference labels of unseen tokens")
-        cache = self.make_cache(idx.size(0), idx.device)
-        B, T = idx.shape
-        tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # written in place
-        depths = torch.zeros(B, T + max(max_new_tokens - 1, 0), dtype=torch.long, device=idx.device)
-        with self.lora_merged():
-            out = self(idx, mode=mode, cache=cache)
-            depths[:, :T] = out.depths
-            for t in range(T, T + max_new_tokens):
-                tokens[:, t:t + 1] = sample(out.logits[:, -1], temperature, sample_top_k, generator)
-                if t + 1 < T + max_new_tokens:  # the last token is returned, not fed
-                    out = self(tokens[:, t:t + 1], mode=mode, cache=cache)
-                    depths[:, t] = out.depths[:, 0]
-        return tokens, depths
 
 
 # -----------------------------------------------------------------------------
@@ -583,6 +466,7 @@ def oracle_depths(ref_logits, targets, max_depth, response=None):
     reference CE, highest first, are cut into max_depth - 1 bins of equal size, the first bins
     one larger when the count does not divide (the authors' original quantile binning, App.
     A.2.1): bin k runs max_depth - k passes, so higher CE goes deeper."""
+    check_oracle(ref_logits, targets, max_depth, response)
     hard = (ref_logits.argmax(-1) != targets) & (targets >= 0)
     if response is not None:
         hard = hard & response
@@ -634,7 +518,5 @@ if __name__ == "__main__":
             out = model(x, y, mode=mode, depths=oracle)
             print(f"mode {mode:>8}: loss {out.loss.item():.4f}, tokens iterated "
                   f"{(out.depths > 1).float().mean().item():.0%}")
-    tokens, depths = model.generate(idx[:1, :4], 12, temperature=0)
-    print(f"decoding with the decider: {tokens[0].tolist()}; tokens iterated: {int((depths > 1).sum())} of "
-          f"{depths.numel()} (an untrained decider scores about 0.5, below the 0.9 threshold; "
+    print("(an untrained decider scores about 0.5, below the 0.9 threshold, so it iterates nothing; "
           "train_tiny.py trains one)")

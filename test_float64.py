@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
+from generate import generate, generate_tah
 from hd import HDConfig, HiddenDecoding, expand_streams
 from moe import ModelConfig, Transformer, apply_rope
 from tah import TaHConfig, ThinkAtHard, oracle_depths
@@ -52,7 +53,7 @@ def test_a_float64_backbone_runs_in_float64_with_the_default_dispatch(n_experts)
     idx, tgt = batch(0)
     logits, loss = model(idx, tgt)
     assert logits.dtype == loss.dtype == torch.float64
-    out = model.generate(idx[:, :2], 3, temperature=0)
+    out = generate(model, idx[:, :2], 3, temperature=0)
     assert out.shape == (2, 5)
 
 
@@ -77,7 +78,7 @@ def test_tah_decider_stage2_and_generate_run_in_the_weights_dtype_without_autoca
     depths = oracle_depths(model(idx, mode="standard").logits, tgt, 2)
     loss, scores, labels = model.stage2_loss(idx, depths)
     assert torch.isfinite(loss) and scores.dtype == dtype
-    tokens, d = model.generate(idx[:, :2], 3, temperature=0)
+    tokens, d = generate_tah(model, idx[:, :2], 3, temperature=0)
     assert tokens.shape == (2, 5) and d.shape == (2, 4)
 
 

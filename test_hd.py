@@ -12,8 +12,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from generate import KVCache, generate, make_caches
 from hd import HDConfig, HiddenDecoding, expand_streams, fold, full, intra, local, shared_intra, unfold
-from moe import KVCache, ModelConfig, Transformer, attend, dense_mask
+from moe import ModelConfig, Transformer, attend, dense_mask
 
 FAST = settings(max_examples=25, deadline=None)
 MASK_OF = {"F": lambda n, w: full(), "L": lambda n, w: local(w), "I": lambda n, w: intra(n),
@@ -301,7 +302,7 @@ def test_cached_decoding_equals_the_full_forward(model, T, steps, shared, B):
     if shared and "I" in model.cfg.layout:
         model = twin(model, shared_kv=True)
     idx = torch.randint(model.cfg.vocab_size, (B, T + sum(steps)))
-    caches = model.make_caches()
+    caches = make_caches(model)
     with torch.no_grad():
         got, _ = model(idx[:, :T], caches=caches)
         torch.testing.assert_close(got, model(idx[:, :T])[0], atol=1e-5, rtol=1e-5)
@@ -310,45 +311,54 @@ def test_cached_decoding_equals_the_full_forward(model, T, steps, shared, B):
             got, _ = model(idx[:, t:t + k], caches=caches)
             torch.testing.assert_close(got, model(idx[:, :t + k])[0][:, t:], atol=1e-5, rtol=1e-5)
             t += k
-    assert len(caches[0]) == t * model.cfg.n_streams  # every stream's rows are kept
+    # every stream's rows are kept: n per token, or one per token with the streams as batch rows
+    assert [len(c) * c.k.size(0) for c in caches] == [t * model.cfg.n_streams * B] * model.cfg.n_layer \
+        or model.skip_from() is not None
 
 
 @FAST
 @given(model=hd_models(block_size=6), shared=st.booleans(), data=st.data())
 def test_cache_filled_to_block_size_in_place_then_one_more_token_is_a_clear_error(model, shared, data):
-    """The preallocated caches (StreamCache for own-stream layers, KVCache elsewhere): every step
-    writes into the buffers allocated at the first one, filling them to block_size tokens
-    exactly still equals the full forward, and one token more raises."""
+    """The preallocated caches: every step writes into the buffers allocated at the first one,
+    filling them to block_size tokens exactly still equals the full forward, and one token
+    more raises."""
     if shared and "I" in model.cfg.layout:
         model = twin(model, shared_kv=True)
     T = data.draw(st.integers(1, 6))
     idx = torch.randint(model.cfg.vocab_size, (2, 6))
-    caches = model.make_caches()
+    caches = make_caches(model)
     with torch.no_grad():
         model(idx[:, :T], caches=caches)
         storage = [c.k.data_ptr() for c in caches]
         for t in range(T, 6):
             got, _ = model(idx[:, t:t + 1], caches=caches)
             torch.testing.assert_close(got[:, 0], model(idx[:, :t + 1])[0][:, t], atol=1e-5, rtol=1e-5)
-        assert [c.k.data_ptr() for c in caches] == storage and len(caches[0]) == 6 * model.cfg.n_streams
+        assert [c.k.data_ptr() for c in caches] == storage
+        assert [len(c) for c in caches] == [6 * model.kv_rows_per_token(i) for i in range(model.cfg.n_layer)]
         with pytest.raises(ValueError, match="block_size"):
             model(idx[:, :1], caches=caches)
 
 
-def test_caches_of_another_layout_are_refused():
+def test_caches_that_do_not_fit_the_layers_are_refused():
     model = HiddenDecoding(hd_cfg(layout="IFI")).eval()
     idx = torch.randint(61, (1, 4))
+    with pytest.raises(ValueError, match="make_caches"):  # layer 1 keeps n rows per token: room too small
+        model(idx, caches=[KVCache(model.cfg.block_size) for _ in range(3)])
     with pytest.raises(ValueError, match="make_caches"):
-        model(idx, caches=[KVCache() for _ in range(3)])  # layer 0 reads its own stream: needs a StreamCache
-    with pytest.raises(ValueError, match="make_caches"):
-        model(idx, caches=HiddenDecoding(hd_cfg(layout="FFI")).make_caches())
+        model(idx, caches=make_caches(model)[:2])  # one short
+    other = HiddenDecoding(hd_cfg(layout="FFI")).eval()
+    caches = make_caches(other)
+    with torch.no_grad():
+        other(idx, caches=caches)
+        with pytest.raises(ValueError, match="make_caches"):  # written by another layout: rows per token differ
+            model(idx[:, :1], caches=caches)
 
 
 def test_greedy_generate_equals_argmax_of_full_forwards():
     torch.manual_seed(0)
     model = HiddenDecoding(hd_cfg(n_streams=3, layout="IFL")).eval()
     idx = torch.randint(61, (2, 4))
-    out = model.generate(idx, 5, temperature=0)
+    out = generate(model, idx, 5, temperature=0)
     ref = idx
     with torch.no_grad():
         for _ in range(5):
@@ -444,7 +454,7 @@ def test_cuda_forward_and_decode_step_never_wait_for_the_device(hd):
         "vocab_size", "block_size", "n_layer", "n_embd", "n_head", "n_kv_head", "head_dim", "n_experts",
         "ffn_hidden")}))).cuda().eval()
     idx = torch.randint(61, (2, 8), device="cuda")
-    caches = model.make_caches()
+    caches = make_caches(model)
     with torch.no_grad():
         model(idx, caches=caches)  # the prefill allocates the caches
         torch.cuda.synchronize()
@@ -487,7 +497,7 @@ def test_too_long_sequence_raises():
     with pytest.raises(ValueError, match="block_size"):
         model(torch.zeros(1, 9, dtype=torch.long))
     with pytest.raises(ValueError, match="block_size"):
-        model.generate(torch.zeros(1, 5, dtype=torch.long), 4)
+        generate(model, torch.zeros(1, 5, dtype=torch.long), 4)
 
 
 def test_bad_inputs_raise_one_clear_error():

@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 import moe
+from generate import generate, make_caches, sample
 from moe import MoE, ModelConfig, Transformer, apply_rope, attend, causal, dense_mask
 
 FAST = settings(max_examples=25, deadline=None)
@@ -318,7 +319,7 @@ def build(c, seed):
 def test_cached_steps_equal_full_forward_on_each_prefix(c, T, chunks, seed):
     model = build(c, seed)
     idx = torch.randint(model.cfg.vocab_size, (2, T + sum(chunks)))
-    caches = model.make_caches()
+    caches = make_caches(model)
     with torch.no_grad():
         got, _ = model(idx[:, :T], caches=caches)
         torch.testing.assert_close(got, model(idx[:, :T])[0], atol=1e-5, rtol=1e-5)
@@ -342,7 +343,7 @@ def test_cache_filled_to_block_size_in_place_then_one_more_token_is_a_clear_erro
                                   n_kv_head=n_kv, n_experts=c["n_experts"])).eval()
     T = data.draw(st.integers(1, block))
     idx = torch.randint(model.cfg.vocab_size, (3, block))
-    caches = model.make_caches()
+    caches = make_caches(model)
     with torch.no_grad():
         model(idx[:, :T], caches=caches)
         storage = [c.k.data_ptr() for c in caches]
@@ -362,7 +363,7 @@ def test_cache_filled_to_block_size_in_place_then_one_more_token_is_a_clear_erro
 def test_greedy_generate_equals_argmax_of_full_forwards(c, seed):
     model = build(c, seed)
     idx = torch.randint(model.cfg.vocab_size, (2, 5))
-    out = model.generate(idx, 6, temperature=0)
+    out = generate(model, idx, 6, temperature=0)
     ref = idx
     with torch.no_grad():
         for _ in range(6):
@@ -373,11 +374,11 @@ def test_greedy_generate_equals_argmax_of_full_forwards(c, seed):
 def test_sampling_is_reproducible_and_respects_top_k():
     model = build(dict(n_layer=3, kv_mirror=True, heads=(6, 2), rope_fraction=0.25, n_experts=4), 0)
     idx = torch.zeros(1, 3, dtype=torch.long)
-    a = model.generate(idx, 10, sample_top_k=1, generator=torch.Generator().manual_seed(5))
-    b = model.generate(idx, 10, temperature=0)
+    a = generate(model, idx, 10, sample_top_k=1, generator=torch.Generator().manual_seed(5))
+    b = generate(model, idx, 10, temperature=0)
     assert torch.equal(a, b)  # sample_top_k=1 is greedy whatever the temperature
-    c1 = model.generate(idx, 10, temperature=2.0, generator=torch.Generator().manual_seed(5))
-    c2 = model.generate(idx, 10, temperature=2.0, generator=torch.Generator().manual_seed(5))
+    c1 = generate(model, idx, 10, temperature=2.0, generator=torch.Generator().manual_seed(5))
+    c2 = generate(model, idx, 10, temperature=2.0, generator=torch.Generator().manual_seed(5))
     assert torch.equal(c1, c2)
 
 
@@ -412,7 +413,7 @@ def test_too_long_input_raises():
     with pytest.raises(ValueError, match="block_size"):
         model(torch.zeros(1, 9, dtype=torch.long))
     with pytest.raises(ValueError, match="block_size"):
-        model.generate(torch.zeros(1, 4, dtype=torch.long), 5)
+        generate(model, torch.zeros(1, 4, dtype=torch.long), 5)
 
 
 # -----------------------------------------------------------------------------
@@ -463,9 +464,9 @@ def test_config_copies_and_replaces_like_any_dataclass():
 
 def test_sample_rejects_bad_arguments():
     with pytest.raises(ValueError, match="temperature"):
-        moe.sample(torch.zeros(1, 5), temperature=-1)
+        sample(torch.zeros(1, 5), temperature=-1)
     with pytest.raises(ValueError, match="sample_top_k"):
-        moe.sample(torch.zeros(1, 5), sample_top_k=6)
+        sample(torch.zeros(1, 5), sample_top_k=6)
 
 
 @pytest.mark.parametrize("idx, targets, words", [
@@ -502,7 +503,7 @@ def test_bad_generation_arguments_raise_one_clear_error(kw, words):
     args = dict(idx=torch.zeros(1, 2, dtype=torch.long), max_new_tokens=3)
     args.update(kw)
     with pytest.raises(ValueError, match=words):
-        model.generate(**args)
+        generate(model, **args)
 
 
 @settings(max_examples=20, deadline=None)

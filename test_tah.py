@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+from generate import TaHCache, generate_tah, lora_merged
 from tah import LoRALinear, TaHConfig, ThinkAtHard, dense_batch_mask, duo_causal, oracle_depths
 
 FAST = settings(max_examples=25, deadline=None)
@@ -132,7 +133,7 @@ def test_parallel_forward_equals_token_by_token_decoding(c, seed, T):
     idx, depths = tokens_and_depths(seed, 2, T, model.cfg.max_depth)
     with torch.no_grad():
         par = model(idx, mode="oracle", depths=depths)
-        cache = model.make_cache(2, idx.device)
+        cache = TaHCache(model, 2, idx.device)
         for t in range(T):
             step = model(idx[:, t:t + 1], mode="oracle", depths=depths[:, t:t + 1], cache=cache)
             torch.testing.assert_close(step.logits[:, 0], par.logits[:, t], atol=1e-5, rtol=1e-5)
@@ -264,10 +265,10 @@ def test_merged_adapters_give_the_forward_of_the_unmerged_ones(c, seed, T):
     idx, depths = tokens_and_depths(seed, 2, T, model.cfg.max_depth)
     with torch.no_grad():
         ref = model(idx, mode="oracle", depths=depths)
-        with model.lora_merged():
+        with lora_merged(model):
             got = model(idx, mode="oracle", depths=depths)
         torch.testing.assert_close(got.logits, ref.logits, atol=1e-10, rtol=1e-10)
-        with pytest.raises(ValueError), model.lora_merged():
+        with pytest.raises(ValueError), lora_merged(model):
             model(idx, mode="nonsense")
     assert all(m.merged is None for m in model.loras) and len(model.loras) > 0
 
@@ -339,7 +340,7 @@ def test_decider_continues_iff_sigmoid_above_threshold(bias, expect):
 def test_decider_generation_equals_parallel_decider_forward():
     model = mixed_decider(make(2, threshold=0.5))
     prompt = torch.randint(53, (2, 4))
-    tokens, depths = model.generate(prompt, 8, temperature=0)
+    tokens, depths = generate_tah(model, prompt, 8, temperature=0)
     assert 0 < (depths > 1).sum() < depths.numel()  # some tokens iterate, some do not
     with torch.no_grad():
         par = model(tokens[:, :-1], mode="decider")
@@ -354,9 +355,9 @@ def test_batched_decoding_equals_decoding_each_row_alone(c, seed, B, P):
     with their cache entries) gives each row the tokens, depths and logits it gets alone."""
     model = mixed_decider(make(seed, threshold=0.5, block_size=16, **c))
     prompt = torch.randint(53, (B, P), generator=torch.Generator().manual_seed(seed))
-    tokens, depths = model.generate(prompt, 8, temperature=0)
+    tokens, depths = generate_tah(model, prompt, 8, temperature=0)
     for b in range(B):
-        alone, d_alone = model.generate(prompt[b:b + 1], 8, temperature=0)
+        alone, d_alone = generate_tah(model, prompt[b:b + 1], 8, temperature=0)
         assert torch.equal(alone[0], tokens[b]) and torch.equal(d_alone[0], depths[b]), b
 
 
@@ -374,7 +375,7 @@ def test_a_deeper_pass_runs_only_the_batch_rows_with_a_token_going_on(c, seed, T
         with torch.no_grad():
             par = model(idx, mode="oracle", depths=depths)
             sizes.clear()
-            cache = model.make_cache(3, idx.device)
+            cache = TaHCache(model, 3, idx.device)
             for t in range(T):
                 step = model(idx[:, t:t + 1], mode="oracle", depths=depths[:, t:t + 1], cache=cache)
                 torch.testing.assert_close(step.logits[:, 0], par.logits[:, t], atol=1e-10, rtol=1e-10)
@@ -389,20 +390,20 @@ def test_decoding_fills_the_cache_to_block_size_in_place_then_one_more_token_is_
     model = make(5, max_depth=3, block_size=7)
     idx = torch.randint(53, (2, 7))
     depths = torch.full((2, 7), 3)
-    cache = model.make_cache(2, idx.device)
+    cache = TaHCache(model, 2, idx.device)
     with torch.no_grad():
         par = model(idx, mode="oracle", depths=depths)
         model(idx[:, :3], mode="oracle", depths=depths[:, :3], cache=cache)
-        storage = [layer.k.data_ptr() for layer in cache.layers]
+        storage = [k.data_ptr() for k, v in cache.kv]
         for t in range(3, 7):  # every token at every depth: the cache ends exactly full
             out = model(idx[:, t:t + 1], mode="oracle", depths=depths[:, t:t + 1], cache=cache)
         torch.testing.assert_close(out.logits[:, 0], par.logits[:, -1], atol=1e-10, rtol=1e-10)
-        assert [layer.k.data_ptr() for layer in cache.layers] == storage and cache.len == cache.capacity == 21
+        assert [k.data_ptr() for k, v in cache.kv] == storage and cache.len == cache.capacity == 21
         with pytest.raises(ValueError, match="block_size"):
             model(idx[:, :1], mode="standard", cache=cache)
         with pytest.raises(ValueError, match="batch rows"):
-            model(idx[:1, :1], cache=model.make_cache(2, idx.device))
-    tokens, _ = model.generate(idx[:, :3], 4, temperature=0)  # generate to block_size exactly
+            model(idx[:1, :1], cache=TaHCache(model, 2, idx.device))
+    tokens, _ = generate_tah(model, idx[:, :3], 4, temperature=0)  # generate to block_size exactly
     assert tokens.shape == (2, 7)
 
 
@@ -637,6 +638,6 @@ def test_bad_call_raises():
     with pytest.raises(ValueError, match="targets must have idx's shape"):
         model(torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="max_new_tokens"):
-        model.generate(idx, -1)
+        generate_tah(model, idx, -1)
     with pytest.raises(ValueError, match="temperature"):
-        model.generate(idx, 2, temperature=float("nan"))
+        generate_tah(model, idx, 2, temperature=float("nan"))

@@ -473,8 +473,18 @@ def test_damaged_rows_file_orphaned_temporaries_and_fresh(tmp_path):
 
 
 def test_the_run_key_covers_every_source_file_a_run_imports():
-    mine = {p.name for p in HERE.glob("*.py") if not p.name.startswith("test_")} - {"bench.py", "conftest.py"}
-    assert set(tt.SOURCES) == mine  # a new module beside train_tiny.py must join the run key
+    """SOURCES = train_tiny.py and every module beside it that it imports, directly or not
+    (read from their import statements): a new module a run imports must join the run key."""
+    import ast
+    seen, todo = set(), ["train_tiny.py"]
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        for node in ast.walk(ast.parse((HERE / name).read_text())):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            todo += [f"{m}.py" for m in mods if (HERE / f"{m}.py").exists() and f"{m}.py" not in seen]
+    assert set(tt.SOURCES) == seen
 
 
 def test_the_run_key_changes_with_the_data_content(tmp_path):

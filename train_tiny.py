@@ -381,27 +381,22 @@ def tah_eval(model, data, P, args, mode, oracle, threshold=None):
     per-token outcomes (for revision counts against Standard); for the decider, how well it
     imitates the oracle."""
     model.eval()
-    saved = model.cfg.threshold
-    model.cfg.threshold = threshold or saved
     losses, oks, first_oks, hard, went, ems, iterated = [], [], [], [], [], [], []
-    try:
-        for k in range(P.eval_batches):
-            x, y = data.batch(args.eval_split, P.batch, P.block, batch_gen(args.eval_seed, k, args.eval_split))
-            x, y = x.to(args.device), y.to(args.device)
-            depths = oracle(x, y)
-            out = model(x, y, mode=mode, depths=depths if mode == "oracle" else None)
-            keep = y != -1
-            ok = out.logits.argmax(-1) == y
-            losses.append(out.loss.item())
-            ems.append(answer_exact(ok, y, data.problem_len, data.answers))
-            iterated.append((out.depths > 1).float().mean().item())
-            oks.append(ok[keep])
-            first_oks.append((out.first_logits.argmax(-1) == y)[keep])
-            hard.append((depths > 1)[keep])
-            went.append((out.depths > 1)[keep])
-    finally:
-        model.cfg.threshold = saved
-        model.train()
+    for k in range(P.eval_batches):
+        x, y = data.batch(args.eval_split, P.batch, P.block, batch_gen(args.eval_seed, k, args.eval_split))
+        x, y = x.to(args.device), y.to(args.device)
+        depths = oracle(x, y)
+        out = model(x, y, mode=mode, depths=depths if mode == "oracle" else None, threshold=threshold)
+        keep = y != -1
+        ok = out.logits.argmax(-1) == y
+        losses.append(out.loss.item())
+        ems.append(answer_exact(ok, y, data.problem_len, data.answers))
+        iterated.append((out.depths > 1).float().mean().item())
+        oks.append(ok[keep])
+        first_oks.append((out.first_logits.argmax(-1) == y)[keep])
+        hard.append((depths > 1)[keep])
+        went.append((out.depths > 1)[keep])
+    model.train()
     ok, first_ok, hard, went = (torch.cat(v) for v in (oks, first_oks, hard, went))
     r = {"loss": float(np.mean(losses)), "acc": ok.float().mean().item(), "exact match": float(np.mean(ems)),
          "iterated": float(np.mean(iterated)), "passes per token": 1 + float(np.mean(iterated))}
@@ -715,7 +710,7 @@ def main(argv=None):
 
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("moe.py", "hd.py", "tah.py", "tasks.py", "trainer.py", "report.py", "train_tiny.py")  # all that can change a result
+SOURCES = ("moe.py", "hd.py", "tah.py", "checks.py", "tasks.py", "trainer.py", "report.py", "train_tiny.py")  # all that can change a result
 
 
 def open_run(args, P, text, out):

@@ -1,0 +1,233 @@
+"""
+Input checks for moe.py, hd.py and tah.py, kept out of the method files.
+
+Each config has one table: field -> the rules its value must pass, in order. A rule is a test
+(value, config) -> bool and what the value must be, so a failure reads
+"<field> must be <what>, got <value>". Rules may read fields listed before theirs.
+`check_config` runs a config's table; a test lists any field without an entry.
+
+Tensor inputs (token ids, targets, oracle depths) are checked by the functions at the end:
+types and shapes always, values only where reading them is free (on CPU), since on CUDA a
+min or a max makes the host wait for the device.
+"""
+
+import math
+from dataclasses import fields
+
+import torch
+
+
+def is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_num(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def count(lo=1):
+    return lambda v, c: is_int(v) and v >= lo, f"an int >= {lo}"
+
+
+def number(test, says):
+    return lambda v, c: is_num(v) and test(v), says
+
+
+def one_of(*options):  # `is` for True/False/None, so 1 does not pass for True
+    return (lambda v, c: any(v is o or (type(v) is type(o) and v == o) for o in options),
+            " or ".join(map(repr, options)))
+
+
+def rule(test, says):
+    return lambda v, c: test(v, c), says
+
+
+FLAG = one_of(True, False)
+
+MODEL = {
+    "vocab_size": [count()], "block_size": [count()], "n_layer": [count()], "n_embd": [count()],
+    "n_head": [count()],
+    "n_kv_head": [count(), rule(lambda v, c: c.n_head % v == 0, "a divisor of n_head ({c.n_head})")],
+    "head_dim": [count()],
+    "rope_fraction": [number(lambda v: 0 < v <= 1, "a number in (0, 1]"),
+                      rule(lambda v, c: c.rope_dim >= 2 and c.rope_dim % 2 == 0,
+                           "such that rope_fraction * head_dim rounds to an even number >= 2 "
+                           "(* {c.head_dim} -> {c.rope_dim})")],
+    "rope_base": [number(lambda v: v > 1, "a finite number > 1")],
+    "n_experts": [count(0)],
+    "top_k": [rule(lambda v, c: c.n_experts == 0 or is_int(v) and 1 <= v <= c.n_experts,
+                   "an int in [1, n_experts={c.n_experts}]")],
+    "expert_hidden": [count()], "ffn_hidden": [count()],
+    "balance_gamma": [number(lambda v: v >= 0, "a finite number >= 0")],
+    "moe_dispatch": [one_of("auto", "grouped_mm", "loop")],
+    "kv_mirror": [FLAG, rule(lambda v, c: not v or c.n_layer >= 3,
+                             "False when n_layer < 3 (it needs a first and a last third; n_layer={c.n_layer})")],
+    "norm_eps": [number(lambda v: v > 0, "a finite number > 0")],
+}
+
+HD = {**MODEL,
+      "n_streams": [count()],
+      "layout": [rule(lambda v, c: isinstance(v, str) and len(v) == c.n_layer and not set(v) - set("FLI"),
+                      "a string of F, L or I, one letter per layer ({c.n_layer})")],
+      "window": [count()],
+      "positions": [one_of("expanded", "token")],
+      "objective": [one_of("final", "all", "sum")],
+      "shared_kv": [FLAG, rule(lambda v, c: not v or "I" in c.layout,
+                               "False for a layout without I layers (it changes only those)")],
+      "mirror_skip": [one_of(None, True, False),
+                      rule(lambda v, c: not v or c.skip_is_exact,
+                           "None or False unless objective='final' and kv_mirror=True (only there is it exact)")],
+      "attn_impl": [one_of("fast", "dense", "flex")]}
+
+TAH = {**MODEL,
+       "max_depth": [count()], "lora_rank": [count()],
+       "lora_alpha": [number(lambda v: True, "a finite number")],
+       "logit_topk": [rule(lambda v, c: is_int(v) and 1 <= v <= c.vocab_size, "an int in [1, vocab_size={c.vocab_size}]")],
+       "threshold": [number(lambda v: 0 < v < 1, "a number in (0, 1)")],
+       "decider_layers": [rule(lambda v, c: isinstance(v, (tuple, list)) and all(is_int(l) and 0 <= l <= c.n_layer for l in v),
+                               "a tuple of hidden-state indices in [0, n_layer={c.n_layer}] (0: the pass's input)")],
+       "decider_hidden": [count()],
+       "attention": [one_of("duo", "first_depth", "depth_local")],
+       "gather": [FLAG],
+       "attn_impl": [one_of("dense", "flex")]}
+
+TABLES = {"ModelConfig": MODEL, "HDConfig": HD, "TaHConfig": TAH}
+
+
+def table_of(cfg):
+    return next(TABLES[k.__name__] for k in type(cfg).__mro__ if k.__name__ in TABLES)
+
+
+def check_config(cfg):
+    """Run cfg's table: the first rule a field fails raises one ValueError naming the field."""
+    table = table_of(cfg)
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        for test, says in table[f.name]:
+            if not test(v, cfg):
+                raise ValueError(f"{f.name} must be {says.format(c=cfg)}, got {v!r}")
+
+
+# -----------------------------------------------------------------------------
+# Tensor inputs
+
+
+def check_tokens(idx, targets, vocab_size, values=None):
+    """idx (B, T) int64/int32 ids in [0, vocab_size), B, T >= 1; targets None or int64 ids of
+    idx's shape in [0, vocab_size), -1 = ignored, at least one kept. values: check the ids
+    themselves (None: only on CPU, where it is free). On CUDA an id out of range still stops at
+    the embedding's own device-side check; all-ignored targets give a nan loss there, which the
+    trainer stops on."""
+    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"idx must be an integer tensor of token ids (int64 or int32, as nn.Embedding takes), "
+                         f"got {getattr(idx, 'dtype', type(idx))}")
+    if idx.dim() != 2 or idx.numel() == 0:
+        raise ValueError(f"idx must have shape (B, T) with B, T >= 1, got {tuple(idx.shape)}")
+    if targets is not None:
+        if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
+            raise ValueError(f"targets must be an integer tensor (int64, as cross_entropy takes), "
+                             f"got {getattr(targets, 'dtype', type(targets))}")
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+    if not (idx.device.type == "cpu" if values is None else values):
+        return
+    if idx.min() < 0 or idx.max() >= vocab_size:
+        raise ValueError(f"idx must hold ids in [0, vocab_size={vocab_size}), got [{idx.min().item()}, {idx.max().item()}]")
+    if targets is not None and (targets.min() < -1 or targets.max() >= vocab_size):
+        raise ValueError(f"targets must be ids in [0, vocab_size={vocab_size}) or -1 (ignored), got "
+                         f"[{targets.min().item()}, {targets.max().item()}]")
+    if targets is not None and (targets == -1).all():
+        raise ValueError("every target is -1 (ignored): the loss would be 0/0")
+
+
+def check_flex(attn_impl, device):
+    """flex_attention has no backward on CPU (torch 2.13): say so before torch fails inside it."""
+    if attn_impl == "flex" and device.type == "cpu" and torch.is_grad_enabled():
+        raise ValueError("attn_impl='flex' runs forward only on CPU (torch has no flex_attention backward "
+                         "there): call it under torch.no_grad(), or train with the default attn_impl")
+
+
+def check_caches(caches, n_layer, block_size, rows_per_token=lambda i: 1):
+    """A forward's caches: one per layer, as generate.make_caches gives them (each with room for
+    block_size tokens at the layer's rows per token, all holding the same tokens). Returns how
+    many tokens they hold. (Each checks its batch size itself, before its first write.)"""
+    if not isinstance(caches, (list, tuple)) or len(caches) != n_layer:
+        raise ValueError(f"caches must be a list of one cache per layer ({n_layer}): take them from "
+                         "generate.make_caches(model)")
+    tokens = len(caches[0]) // rows_per_token(0)
+    for i, c in enumerate(caches):
+        r = rows_per_token(i)
+        if len(c) != tokens * r or getattr(c, "capacity", block_size * r) < block_size * r:
+            raise ValueError(f"cache {i} does not fit layer {i} of this model (it holds {len(c)} rows, room for "
+                             f"{getattr(c, 'capacity', '?')}; the layer keeps {r} per token): take caches from "
+                             "generate.make_caches(model)")
+    return tokens
+
+
+def check_depths(name, depths, like, max_depth):
+    """Integer passes per token, of idx's shape, in [1, max_depth] (on CUDA an assert the device checks)."""
+    if not isinstance(depths, torch.Tensor) or depths.shape != like.shape:
+        raise ValueError(f"{name} needs depths of the same shape as idx {tuple(like.shape)}")
+    if depths.dtype.is_floating_point or depths.dtype == torch.bool:
+        raise ValueError(f"depths must be integers (passes per token), got {depths.dtype}")
+    if depths.device.type != "cpu":
+        torch._assert_async((depths >= 1).all() & (depths <= max_depth).all(),
+                            f"depths must be in [1, max_depth={max_depth}]")
+    elif depths.min() < 1 or depths.max() > max_depth:
+        raise ValueError(f"depths must be in [1, max_depth={max_depth}], got "
+                         f"[{depths.min().item()}, {depths.max().item()}]")
+
+
+def check_routing(cfg, modes, idx, targets, mode, depths, cache, threshold):
+    """ThinkAtHard.forward's inputs: a known mode, token ids, the oracle's depths, a cache of
+    idx's batch size, a threshold in (0, 1) or None."""
+    if mode not in modes:
+        raise ValueError(f"mode must be one of {modes}, got {mode!r}")
+    check_tokens(idx, targets, cfg.vocab_size)
+    check_flex(cfg.attn_impl, idx.device)
+    if mode == "oracle":
+        check_depths("mode 'oracle'", depths, idx, cfg.max_depth)
+    if cache is not None and cache.batch != idx.size(0):
+        raise ValueError(f"the cache holds {cache.batch} batch rows, idx has {idx.size(0)}")
+    if threshold is not None and not (is_num(threshold) and 0 < threshold < 1):
+        raise ValueError(f"threshold must be None or a number in (0, 1), got {threshold!r}")
+
+
+def check_stage2(cfg, idx, depths, pos_weight):
+    if cfg.max_depth < 2:
+        raise ValueError("stage2_loss needs max_depth >= 2: with one pass there is no decision to learn")
+    check_depths("stage2_loss", depths, idx, cfg.max_depth)
+    if pos_weight is not None and not (is_num(pos_weight) and pos_weight > 0):
+        raise ValueError(f"pos_weight must be None or a finite number > 0, got {pos_weight!r}")
+
+
+def check_oracle(ref_logits, targets, max_depth, response):
+    """oracle_depths' inputs: logits (B, T, V), targets (B, T), a count max_depth, response (B, T) bool or None."""
+    if not is_int(max_depth) or max_depth < 1:
+        raise ValueError(f"max_depth must be an int >= 1, got {max_depth!r}")
+    if not isinstance(targets, torch.Tensor) or targets.dim() != 2 or targets.dtype != torch.int64:
+        raise ValueError(f"targets must be an int64 tensor (B, T), got {getattr(targets, 'shape', type(targets))}")
+    if not isinstance(ref_logits, torch.Tensor) or ref_logits.shape[:-1] != targets.shape or ref_logits.dim() != 3:
+        raise ValueError(f"ref_logits must have shape (B, T, V) with (B, T) = targets' {tuple(targets.shape)}, "
+                         f"got {tuple(getattr(ref_logits, 'shape', ()))}")
+    if response is not None and (not isinstance(response, torch.Tensor) or response.dtype != torch.bool
+                                 or response.shape != targets.shape):
+        raise ValueError(f"response must be None or a bool tensor of targets' shape {tuple(targets.shape)}, "
+                         f"got {getattr(response, 'dtype', type(response))} {tuple(getattr(response, 'shape', ()))}")
+
+
+def check_generation(idx, max_new_tokens, temperature, sample_top_k, cfg):
+    """generate's arguments; the prompt's ids are checked on every device (one wait per call)."""
+    check_tokens(idx, None, cfg.vocab_size, values=True)
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if idx.size(1) + max_new_tokens > cfg.block_size:
+        raise ValueError(f"prompt {idx.size(1)} + max_new_tokens {max_new_tokens} exceeds block_size={cfg.block_size}")
+    check_sampling(temperature, sample_top_k, cfg.vocab_size)
+
+
+def check_sampling(temperature, sample_top_k, vocab_size):
+    if not is_num(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if sample_top_k is not None and not (is_int(sample_top_k) and 1 <= sample_top_k <= vocab_size):
+        raise ValueError(f"sample_top_k must be an int in [1, {vocab_size}], got {sample_top_k!r}")

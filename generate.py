@@ -1,0 +1,178 @@
+"""
+Decoding for the three models: KV caches, sampling, and the generation loops.
+
+The serving side, kept apart from the methods as gpt-fast keeps its generate.py apart from
+its model.py: this file imports moe.py, hd.py and tah.py; they never import it. A model's
+forward reads a cache through `len(cache)` and `cache.update(k, v)` only (TaH's through the
+same calls as its training forward's `tah.DepthKV`), so the caches here are plain buffers:
+
+- `KVCache`: one layer's keys and values, allocated once at the first write and written in
+  place, so a step writes its new rows and attention reads a view of the rows so far.
+- `make_caches(model)`: one per layer, for moe.Transformer and hd.HiddenDecoding (an HD layer
+  that attends within one stream keeps one row per token, its streams as batch rows; the
+  others keep all n rows of each token).
+- `TaHCache`: tah.DepthKV preallocated, with its (position, depth, exists) lookups.
+- `generate` (moe, HD: each new token enters as its n stream rows in one step, the final
+  stream's logits pick the next token, HD §3.2) and `generate_tah` (the decider sets each new
+  token's depth, TaH §4.2), with `lora_merged` running the depth adapter as one matmul.
+
+Run `python generate.py` to decode with the three untrained models.
+"""
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from checks import check_generation, check_sampling, is_int
+from moe import upcast
+from tah import DepthKV
+
+
+class KVCache:
+    """Keys and values of one layer, room for `capacity` rows, written in place (gpt-fast's
+    static cache). Unwritten rows are never read: attention sees the first len() rows."""
+
+    def __init__(self, capacity):
+        if not is_int(capacity) or capacity < 1:
+            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+        self.capacity, self.len, self.k, self.v = capacity, 0, None, None
+
+    def __len__(self):
+        return self.len  # a Python int: reading it never waits on the device
+
+    def update(self, k, v):
+        """Append k, v (B, Hkv, T, hd); return the K and V of every row so far."""
+        T = k.size(2)
+        if self.k is not None and k.size(0) != self.k.size(0):  # checked before anything is written
+            raise ValueError(f"the cache holds {self.k.size(0)} batch rows, this step has {k.size(0)}: "
+                             "continue a cache with the batch it was started with")
+        if self.len + T > self.capacity:
+            raise ValueError(f"KV cache full: it holds {self.capacity} rows, {self.len} are written and "
+                             f"{T} more do not fit")
+        if self.k is None:
+            self.k = k.new_zeros(*k.shape[:2], self.capacity, k.size(3))
+            self.v = v.new_zeros(*v.shape[:2], self.capacity, v.size(3))
+        self.k[:, :, self.len:self.len + T] = k
+        self.v[:, :, self.len:self.len + T] = v
+        self.len += T
+        return self.k[:, :, :self.len], self.v[:, :, :self.len]
+
+
+def make_caches(model):
+    """One KVCache per layer with room for block_size tokens (moe.Transformer, hd.HiddenDecoding)."""
+    per_token = getattr(model, "kv_rows_per_token", lambda i: 1)
+    return [KVCache(model.cfg.block_size * per_token(i)) for i in range(model.cfg.n_layer)]
+
+
+class TaHCache(DepthKV):
+    """tah.DepthKV preallocated for decoding B rows: room for block_size tokens at every depth,
+    every buffer written in place (the lookups now, each layer's K/V at its first write)."""
+
+    def __init__(self, model, B, device):
+        if not is_int(B) or B < 1:
+            raise ValueError(f"B must be an int >= 1 (batch rows), got {B!r}")
+        cfg = model.cfg
+        super().__init__(cfg.n_layer, B, device)
+        self.capacity = cfg.block_size * cfg.max_depth
+        self.lookups = [x.new_zeros(B, self.capacity) for x in self.lookups]
+
+    def write(self, buf, new, dim, rows):
+        if buf is None:  # a layer's K/V: its shape is known at its first write
+            shape = list(new.shape)
+            shape[0], shape[dim] = self.batch, self.capacity
+            buf = new.new_zeros(shape)
+        dst = buf.narrow(dim, self.slot, new.size(dim))
+        if rows is None:
+            dst.copy_(new)
+        else:
+            dst.index_copy_(0, rows, new)
+        return buf
+
+    def add(self, pos, depth, valid, rows=None):
+        if self.len + pos.size(1) > self.capacity:
+            raise ValueError(f"TaH cache full: it holds {self.capacity} rows, {self.len} are written and "
+                             f"{pos.size(1)} more do not fit")
+        self.slot = self.len  # write() reads the slot before add() moves it on
+        super().add(pos, depth, valid, rows)
+
+
+def sample(logits, temperature=1.0, sample_top_k=None, generator=None):
+    """One token id per row of logits (B, V), as a (B, 1) tensor; temperature 0 is greedy;
+    sample_top_k keeps the k largest logits (the sampling cut-off, not the MoE's top_k)."""
+    check_sampling(temperature, sample_top_k, logits.size(-1))
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = upcast(logits) / temperature
+    if sample_top_k is not None:
+        kth = torch.topk(logits, sample_top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None):
+    """Sample max_new_tokens after idx (B, T) with a KV cache per layer (moe.Transformer,
+    hd.HiddenDecoding). The prompt runs as one forward, then one forward per new token."""
+    check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
+    caches = make_caches(model)
+    B, T = idx.shape
+    out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # the tokens, written in place
+    logits, _ = model(idx, caches=caches)
+    for t in range(T, T + max_new_tokens):
+        out[:, t:t + 1] = sample(logits[:, -1], temperature, sample_top_k, generator)
+        if t + 1 < T + max_new_tokens:  # the last token is returned, not fed
+            logits, _ = model(out[:, t:t + 1], caches=caches)
+    return out
+
+
+@contextmanager
+def lora_merged(model):
+    """Within: each of a ThinkAtHard's adapters runs merged into its weight, W + (alpha / r) B A,
+    one matmul where it would take three. For decoding, where the weights hold still."""
+    with torch.no_grad():
+        for m in model.loras:
+            m.merged = torch.addmm(m.base.weight, m.B, m.A, alpha=m.scale)
+    try:
+        yield
+    finally:
+        for m in model.loras:
+            m.merged = None
+
+
+@torch.no_grad()
+def generate_tah(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None, mode="decider"):
+    """Token-by-token decoding of a ThinkAtHard; the decider (or "standard"/"always") sets each
+    token's depth. Returns (tokens (B, T + new), passes of every token that entered the model
+    (B, T + new - 1))."""
+    check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
+    if mode == "oracle":
+        raise ValueError("generate cannot use mode 'oracle': it needs the reference labels of unseen tokens")
+    B, T = idx.shape
+    cache = TaHCache(model, B, idx.device)
+    tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # written in place
+    depths = torch.zeros(B, T + max(max_new_tokens - 1, 0), dtype=torch.long, device=idx.device)
+    with lora_merged(model):
+        out = model(idx, mode=mode, cache=cache)
+        depths[:, :T] = out.depths
+        for t in range(T, T + max_new_tokens):
+            tokens[:, t:t + 1] = sample(out.logits[:, -1], temperature, sample_top_k, generator)
+            if t + 1 < T + max_new_tokens:
+                out = model(tokens[:, t:t + 1], mode=mode, cache=cache)
+                depths[:, t] = out.depths[:, 0]
+    return tokens, depths
+
+
+if __name__ == "__main__":
+    from hd import HDConfig, HiddenDecoding
+    from moe import ModelConfig, Transformer
+    from tah import TaHConfig, ThinkAtHard
+
+    torch.manual_seed(0)
+    prompt = torch.randint(128, (1, 8))
+    for model in (Transformer(ModelConfig(vocab_size=128)), HiddenDecoding(HDConfig(vocab_size=128, n_streams=4))):
+        out = generate(model.eval(), prompt, 12, temperature=0)
+        print(f"{type(model).__name__:>14}, greedy: {prompt[0].tolist()} -> {out[0, 8:].tolist()}")
+    tah = ThinkAtHard(TaHConfig(vocab_size=128, n_experts=0, logit_topk=16)).eval()
+    tokens, depths = generate_tah(tah, prompt, 12, temperature=0, mode="always")
+    print(f"{'ThinkAtHard':>14}, greedy, every token 2 passes: {prompt[0].tolist()} -> {tokens[0, 8:].tolist()}")

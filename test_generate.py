@@ -1,0 +1,69 @@
+"""Decoding (generate.py) kept apart from the methods, and its caches' refusals.
+
+The cached = full-forward properties of each model live beside that model's other tests
+(test_moe.py, test_hd.py, test_tah.py) and run over generate.py's caches."""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from generate import KVCache, TaHCache, generate, make_caches
+from hd import HDConfig, HiddenDecoding
+from moe import ModelConfig, Transformer
+from tah import TaHConfig, ThinkAtHard
+
+HERE = Path(__file__).resolve().parent
+SMALL = dict(vocab_size=61, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8, n_experts=4,
+             expert_hidden=16, ffn_hidden=48)
+
+
+def imported_modules(path):
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("method_file", ["moe.py", "hd.py", "tah.py"])
+def test_the_method_files_import_nothing_from_the_decoding_file(method_file):
+    assert "generate" not in imported_modules(HERE / method_file)
+
+
+@pytest.mark.parametrize("kind", ["moe", "hd", "hd-skip"])
+def test_a_cache_continued_with_another_batch_size_is_refused_and_stays_as_it_was(kind):
+    torch.manual_seed(0)
+    model = (Transformer(ModelConfig(**SMALL)) if kind == "moe" else
+             HiddenDecoding(HDConfig(**SMALL, n_streams=2, layout="IFI", mirror_skip=kind == "hd-skip"))).eval()
+    idx = torch.randint(61, (3, 5))
+    caches = make_caches(model)
+    with torch.no_grad():
+        model(idx[:, :4], caches=caches)
+        before = [(len(c), c.k.clone(), c.v.clone()) for c in caches]
+        with pytest.raises(ValueError, match="batch rows"):
+            model(idx[:2, 4:], caches=caches)
+        for c, (n, k, v) in zip(caches, before):
+            assert len(c) == n and torch.equal(c.k, k) and torch.equal(c.v, v)
+        got, _ = model(idx[:, 4:], caches=caches)  # the right batch still continues them
+        torch.testing.assert_close(got, model(idx)[0][:, 4:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, None])
+def test_caches_refuse_a_bad_size(bad):
+    with pytest.raises(ValueError, match="capacity"):
+        KVCache(bad)
+    with pytest.raises(ValueError, match="batch rows"):
+        TaHCache(ThinkAtHard(TaHConfig(**{**SMALL, "n_experts": 0}, logit_topk=8)), bad, "cpu")
+
+
+def test_generate_writes_prompt_and_new_tokens_to_block_size_exactly():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**SMALL)).eval()
+    out = generate(model, torch.randint(61, (2, 6)), 10, temperature=0)
+    assert out.shape == (2, 16)
+    with pytest.raises(ValueError, match="block_size"):
+        generate(model, torch.randint(61, (2, 6)), 11)
