@@ -17,7 +17,10 @@ widths, and where TaH's extra cost goes; (6) on CUDA, flex_attention vs SDPA and
 """
 
 import argparse
+import contextlib
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -28,6 +31,24 @@ from generate import TaHCache, lora_merged, make_caches
 from hd import HDConfig, HiddenDecoding, fold, full, intra, local, unfold
 from moe import attend, dense_mask
 from tah import LoRALinear, TaHConfig, ThinkAtHard
+
+
+@contextlib.contextmanager
+def profiled():
+    """torch.profiler over the block, with its C++ side (kineto) kept quiet: it writes a
+    "USDT ... profiler_start/stop" line to file descriptor 2 at each start and stop, which no
+    setting turns off, so that descriptor points at /dev/null while the profiler runs."""
+    from torch.profiler import ProfilerActivity, profile
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            yield p
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def sync(device):
@@ -205,7 +226,6 @@ def tah_profile(L, device, repeats, width=256, frac=0.06, B=4):
     second pass (torch.profiler), against the rows that pass runs. Training: the step with
     two diagnostic arms that are not models (each drops one piece of the second pass's work):
     no LoRA at depth >= 1, and no gradient from depth >= 1 into the backbone's weights."""
-    from torch.profiler import ProfilerActivity, profile
     torch.manual_seed(0)
     cfg = TaHConfig(vocab_size=512, block_size=L + 1, n_layer=6, n_embd=width, n_head=12, n_kv_head=2,
                     head_dim=width // 4, n_experts=0, ffn_hidden=3 * width, logit_topk=100, max_depth=2)
@@ -217,7 +237,7 @@ def tah_profile(L, device, repeats, width=256, frac=0.06, B=4):
             cache = TaHCache(model, B, device)
             model(idx[:, :L // 2], mode="standard", cache=cache)
             depths = torch.tensor(d, device=device)[:, None]
-            with profile(activities=[ProfilerActivity.CPU]) as p:
+            with profiled() as p:
                 for t in range(L // 2, L // 2 + 8):
                     model(idx[:, t:t + 1], mode="oracle", depths=depths, cache=cache)
             ops[name] = sum(e.count for e in p.key_averages()) / 8
@@ -372,7 +392,6 @@ def decode_profile(prompts, batches, device, steps, n=4, width=64):
     """Where a decode step's time goes (torch.profiler, self time on the host): the attention
     kernels' share and the ops issued per step, n = 1 and n = 4 (SFA, no skip). A step's op
     count does not grow with the prompt; its attention does."""
-    from torch.profiler import ProfilerActivity, profile
     rows = []
     for streams in (1, n):
         torch.manual_seed(0)
@@ -383,7 +402,7 @@ def decode_profile(prompts, batches, device, steps, n=4, width=64):
             for P in prompts:
                 run = hd_decode(model, B, P, steps, device)
                 run()
-                with profile(activities=[ProfilerActivity.CPU]) as p:
+                with profiled() as p:
                     for _ in range(3):
                         run()
                 ev = p.key_averages()
