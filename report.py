@@ -50,9 +50,6 @@ def claim_deltas(rows, claim):
     """Per-seed differences for a claim, from the rows."""
     val = {(r["arm"], r["metric"], r["seed"]): r["value"] for r in rows if r["effect"] == claim.effect.name}
     seeds = sorted({s for (a, m, s) in val if a == claim.arm})
-    if claim.metric == "corrupted - corrected vs Standard":
-        return [val[(claim.arm, "corrupted vs Standard", s)] - val[(claim.arm, "corrected vs Standard", s)]
-                for s in seeds if (claim.arm, "corrupted vs Standard", s) in val]
     if not isinstance(claim.baseline, str):  # a target number
         return [val[(claim.arm, claim.metric, s)] - claim.baseline for s in seeds if (claim.arm, claim.metric, s) in val]
     return [val[(claim.arm, claim.metric, s)] - val[(claim.baseline, claim.metric, s)]

@@ -56,9 +56,10 @@ class TaHConfig(ModelConfig):
                     the MoE's top_k (routed experts per token).
     threshold:      decider continues a token iff sigmoid(score) > threshold (paper: 0.9).
     decider_layers: hidden states that feed the decider, indexed as the authors' code indexes
-                    them: 0 is the pass's input (the embedding at depth 0), l the output of
-                    block l - 1, n_layer the last block's; () = (0, n_layer // 2, n_layer),
-                    the input, a middle and the final state (duplicates dropped).
+                    them (Hugging Face's output_hidden_states): 0 is the pass's input (the
+                    embedding at depth 0), l < n_layer the output of block l - 1, n_layer the
+                    last block's after the final norm; () = (0, n_layer // 2, n_layer), the
+                    input, a middle and the final state (duplicates dropped).
     decider_hidden: width of the decider MLP.
     attention:      "duo" (Eq. 5), or the ablations "first_depth" (every depth reads depth-0
                     keys only, the paper's Table 2 alternative) and "depth_local" (each depth
@@ -319,7 +320,8 @@ class ThinkAtHard(nn.Module):
             sel, valid = self.select(active if subset is None else active[subset], d)
             x = self.backbone.wte(gather(idx, sel, rows)) if d == 0 else self.next_input(gather(summed, sel, rows))
             h, kept = self.run_pass(x, start + sel, d, valid, cache, subset)
-            logits = self.backbone.lm_head(self.backbone.norm_f(h))  # (B', Tq, V)
+            kept[cfg.n_layer] = self.backbone.norm_f(h)  # the last state after the final norm, as the authors'
+            logits = self.backbone.lm_head(kept[cfg.n_layer])  # (B', Tq, V)
             summed, ran = self.accumulate(summed, ran, logits, rows, sel, valid, d)
             first = summed if d == 0 else first
             passes.append(DepthPass(d, rows, sel, valid, h))

@@ -60,17 +60,23 @@ def token_digest(tokens, vocab):
     return hashlib.sha256(tokens.tobytes() + vocab.tobytes()).digest()
 
 
-def read_token_cache(cache):
-    """(tokens, vocab) from a token cache, or None (and one line saying so) if it is damaged:
-    then the text is tokenized again and the cache rewritten."""
+def text_key(text):
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def read_token_cache(cache, text=None):
+    """(tokens, vocab) from a token cache, or None (and one line saying so) if it is damaged or
+    holds another text's tokens (text: the text it must belong to; None: any): then the text is
+    tokenized again and the cache rewritten."""
     try:
         with np.load(cache) as z:
-            tokens, vocab, digest = z["tokens"], z["vocab"], z["sha256"].tobytes()
-        if digest == token_digest(tokens, vocab):
+            tokens, vocab, digest, source = z["tokens"], z["vocab"], z["sha256"].tobytes(), str(z["text"])
+        if digest == token_digest(tokens, vocab) and (text is None or source == text_key(text)):
             return tokens, vocab
+        why = "damaged" if digest != token_digest(tokens, vocab) else "another text's"
     except Exception:  # truncated, not a zip, a missing array: all mean "damaged"
-        pass
-    print(f"token cache {cache} is damaged; tokenizing the text again", file=sys.stderr)
+        why = "damaged"
+    print(f"token cache {cache} is {why}; tokenizing the text again", file=sys.stderr)
     return None
 
 
@@ -78,7 +84,7 @@ class TextData:
     """Token ids in a compact vocabulary (only the BPE ids that occur), 90/10 train/val."""
 
     def __init__(self, text, cache=None):
-        cached = read_token_cache(cache) if cache is not None and cache.exists() else None
+        cached = read_token_cache(cache, text) if cache is not None and cache.exists() else None
         if cached is not None:
             self.tokens, self.vocab = cached
         else:
@@ -88,7 +94,8 @@ class TextData:
             if cache is not None:
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 digest = np.frombuffer(token_digest(self.tokens, self.vocab), dtype=np.uint8)
-                atomic(cache, lambda f: np.savez(f, tokens=self.tokens, vocab=self.vocab, sha256=digest))
+                atomic(cache, lambda f: np.savez(f, tokens=self.tokens, vocab=self.vocab, sha256=digest,
+                                                 text=np.array(text_key(text))))
         self.vocab_size = len(self.vocab)
         a, b = int(0.9 * len(self.tokens)), int(0.95 * len(self.tokens))
         tokens = torch.from_numpy(self.tokens.astype(np.int64))
@@ -116,30 +123,29 @@ class TextData:
 
 def text_data(text, cache_dir, tag):
     """TextData cached under a name keyed by the text's content."""
-    key = hashlib.sha256(text.encode()).hexdigest()[:12]
+    key = text_key(text)[:12]
     return TextData(text, Path(cache_dir) / f"{tag}_cl100k_{key}.npz")
 
 
-def load_text(args, P, out):
-    """The text the hd and moe suites train on: --data, or Shakespeare; checked before any training."""
-    if not any(s in ("hd", "moe") for s in args.suites):
-        return None
-    if not args.data:
-        text = shakespeare(out, P.plays)
+def load_text(path, plays, block, cache_dir):
+    """The text the hd and moe suites train on: the UTF-8 file at path, or (None) the Shakespeare
+    plays; each split must hold a block + 2 tokens. Checked before any training."""
+    if path is None:
+        text = shakespeare(cache_dir, plays)
     else:
-        raw = Path(args.data).read_bytes()
+        raw = Path(path).read_bytes()
         try:
             content = raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise SystemExit(f"error: --data {args.data} is not UTF-8 text")
+            raise SystemExit(f"error: --data {path} is not UTF-8 text")
         if "\x00" in content or not content.strip():
-            raise SystemExit(f"error: --data {args.data} is " + ("binary" if content.strip() else "empty"))
-        text = text_data(content, out, Path(args.data).stem)
-    need = P.block + 2
+            raise SystemExit(f"error: --data {path} is " + ("binary" if content.strip() else "empty"))
+        text = text_data(content, cache_dir, Path(path).stem)
+    need = block + 2
     short = {k: len(v) for k, v in text.split.items() if len(v) < need}
     if short:
         raise SystemExit(f"error: the text is too short: its splits have {short} tokens, each needs at least "
-                         f"{need} (block {P.block} + 2); give a longer --data")
+                         f"{need} (block {block} + 2); give a longer --data")
     return text
 
 
@@ -253,6 +259,10 @@ def atomic(path, write):
     """Write through a temporary file and rename: a killed run never leaves half a file."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: DDP ranks may race
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a kill: no half-written .tmp stays behind
+        tmp.unlink(missing_ok=True)
+        raise

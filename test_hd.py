@@ -513,6 +513,8 @@ def test_bad_inputs_raise_one_clear_error():
         model(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="n_new must be an int"):
         expand_streams(model, 4.0)
+    with pytest.raises(ValueError, match="n_streams=8 contradicts n_new=4"):
+        expand_streams(model, 4, n_streams=8)
     flex = HiddenDecoding(hd_cfg(attn_impl="flex"))
     with pytest.raises(ValueError, match="forward only on CPU"):
         flex(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))

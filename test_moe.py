@@ -77,15 +77,47 @@ def softmax_attention_reference(q, k, v, allowed):
 
 
 @FAST
-@given(T=st.integers(1, 12), rope_fraction=st.sampled_from([0.25, 0.5, 1.0]), seed=st.integers(0, 999))
-def test_rope_rotates_pairs_by_position(T, rope_fraction, seed):
+@given(T=st.integers(1, 12), rope_fraction=st.sampled_from([0.25, 0.5, 1.0]), seed=st.integers(0, 999),
+       base=st.sampled_from([10000.0, 500.0, 1e6]))
+def test_rope_rotates_pairs_by_position(T, rope_fraction, seed, base):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 3, T, 8, generator=g)
     pos = torch.randint(0, 100, (T,), generator=g)
     rd = int(8 * rope_fraction)
-    got = apply_rope(x, pos, rd, 10000.0)
-    torch.testing.assert_close(got.double(), rope_reference(x, pos, rd, 10000.0), atol=1e-5, rtol=1e-5)
+    got = apply_rope(x, pos, rd, base)
+    torch.testing.assert_close(got.double(), rope_reference(x, pos, rd, base), atol=1e-5, rtol=1e-5)
     assert torch.equal(got[..., rd:], x[..., rd:])  # the rest of the head carries no position
+
+
+def test_the_model_rotates_with_its_config_rope_base():
+    """The attention layers pass cfg.rope_base on: keys of a model built with base 500 equal the
+    reference rotation at base 500 (and differ from 10000's)."""
+    torch.manual_seed(0)
+    attn = moe.Attention(small_cfg(rope_base=500.0, rope_fraction=1.0))
+    u, pos = torch.randn(1, 5, 32), torch.arange(5)
+    with torch.no_grad():
+        k, _ = attn.project_kv(u, pos)
+        plain = attn.k_norm(attn.k_proj(u).view(1, 5, 2, 8).transpose(1, 2))
+    torch.testing.assert_close(k.double(), rope_reference(plain, pos, 8, 500.0), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(k.double(), rope_reference(plain, pos, 8, 10000.0), atol=1e-3)
+
+
+def test_the_head_wise_gate_reads_the_layers_own_attention_input_not_the_mirror_source():
+    """WeLM's gate: sigmoid(W_g u) per head, from the layer's own normalized input u, also in a
+    mirrored layer whose K/V come from the source's state kv_u. By hand: q from u, K/V from
+    kv_u, masked softmax, gate from u, output projection."""
+    torch.manual_seed(0)
+    attn = moe.Attention(small_cfg()).double()
+    u, kv_u = torch.randn(2, 6, 32, dtype=torch.float64), torch.randn(2, 6, 32, dtype=torch.float64)
+    pos = torch.arange(6)
+    with torch.no_grad():
+        got = attn(u, pos, "causal", kv_u=kv_u)
+        q = apply_rope(attn.q_proj(u).view(2, 6, 6, 8).transpose(1, 2), pos, attn.cfg.rope_dim, attn.cfg.rope_base)
+        k, v = attn.project_kv(kv_u, pos)
+        y = softmax_attention_reference(q, k, v, dense_mask(causal, pos, pos))
+        y = y * torch.sigmoid(u @ attn.gate_proj.weight.T).transpose(1, 2)[..., None]
+        ref = y.transpose(1, 2).reshape(2, 6, -1) @ attn.o_proj.weight.T
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
 
 
 @FAST

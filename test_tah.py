@@ -239,6 +239,20 @@ def test_black_box_key_jk_is_read_by_exactly_the_states_its_attention_rule_allow
                 assert changed == reads(i, pc.depth), (attention, i, pc.depth, j, k)
 
 
+@pytest.mark.parametrize("rank, alpha", [(4, 2.0), (2, 16.0), (8, 8.0)])
+def test_an_active_adapter_adds_alpha_over_r_times_b_a_x(rank, alpha):
+    torch.manual_seed(0)
+    base = torch.nn.Linear(6, 5, bias=False).double()
+    lora = LoRALinear(base, rank, alpha).double()
+    with torch.no_grad():
+        lora.B.normal_()
+    x = torch.randn(3, 6, dtype=torch.float64)
+    torch.testing.assert_close(lora(x), base(x))  # inactive: the base alone
+    lora.active = True
+    ref = x @ base.weight.T + (alpha / rank) * (x @ lora.A.T @ lora.B.T)
+    torch.testing.assert_close(lora(x), ref, atol=1e-12, rtol=1e-12)
+
+
 def test_lora_starts_as_a_no_op_and_is_active_only_at_depth_one_and_beyond():
     base = torch.nn.Linear(8, 5)
     lora = LoRALinear(base, rank=2, alpha=4.0)
@@ -465,8 +479,8 @@ def test_stage2_loss_trains_only_the_decider_on_oracle_labels(max_depth):
                 total -= w * ci * F.logsigmoid(scores[k]) + (1 - ci) * F.logsigmoid(-scores[k])
                 k += 1
         return total / k
-    torch.testing.assert_close(loss, brute())
-    torch.testing.assert_close(model.stage2_loss(idx, depths, pos_weight=4.8)[0], brute(4.8))
+    torch.testing.assert_close(loss, brute(), rtol=1e-12, atol=1e-12)  # float64 through, the weights too
+    torch.testing.assert_close(model.stage2_loss(idx, depths, pos_weight=4.8)[0], brute(4.8), rtol=1e-12, atol=1e-12)
     with torch.no_grad():  # the scores: the decider on a forward that runs every pass (stage 2 skips the last)
         full = model(idx, mode="oracle", depths=depths, features=True)
         ref_scores = torch.cat([model.decider(p.features.rows(p.valid)) for p in full.passes[:max_depth - 1]])
@@ -479,9 +493,47 @@ def test_stage2_loss_trains_only_the_decider_on_oracle_labels(max_depth):
             assert p.grad is None, name
 
 
+def test_stage2_weight_when_every_decision_continues_is_stop_over_continue_zero():
+    """w^(d) = #stop / #continue: with no stop at all the continue term weighs 0 and so does the
+    loss (a clamp on the numerator would give 1 / #continue)."""
+    model = make(0, max_depth=2)
+    loss, scores, labels = model.stage2_loss(torch.tensor([[3, 7, 1, 4]]), torch.full((1, 4), 2))
+    assert labels.tolist() == [1.0] * 4 and loss.item() == 0.0
+
+
+@pytest.mark.parametrize("depths, pos_weight, words", [
+    (torch.tensor([[1, 3, 1, 2]]), None, "depths must be in"),  # 3 > max_depth 2: not silently "continue"
+    (None, None, "depths of the same shape"),
+    (torch.tensor([[1, 2, 1]]), None, "depths of the same shape"),
+    (torch.tensor([[1.0, 2.0, 1.0, 2.0]]), None, "depths must be integers"),
+    (torch.tensor([[1, 2, 1, 2]]), 0, "pos_weight"),
+    (torch.tensor([[1, 2, 1, 2]]), -1.0, "pos_weight"),
+    (torch.tensor([[1, 2, 1, 2]]), float("nan"), "pos_weight"),
+    (torch.tensor([[1, 2, 1, 2]]), float("inf"), "pos_weight"),
+])
+def test_stage2_loss_refuses_bad_depths_and_weights(depths, pos_weight, words):
+    with pytest.raises(ValueError, match=words):
+        make(0).stage2_loss(torch.tensor([[3, 7, 1, 4]]), depths, pos_weight=pos_weight)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(response=torch.ones(8, dtype=torch.bool)), "response"),
+    (dict(response=torch.ones(2, 4, dtype=torch.long)), "response"),
+    (dict(max_depth=0), "max_depth"),
+    (dict(max_depth=2.5), "max_depth"),
+    (dict(targets=torch.zeros(2, 3, dtype=torch.long)), "ref_logits"),
+])
+def test_oracle_depths_refuses_bad_inputs(kw, words):
+    args = dict(ref_logits=torch.randn(2, 4, 5), targets=torch.zeros(2, 4, dtype=torch.long), max_depth=2)
+    with pytest.raises(ValueError, match=words):
+        oracle_depths(**{**args, **kw})
+
+
 def test_decider_reads_hidden_states_indexed_as_the_authors_0_is_the_pass_input():
     """decider_layers=(0, l): the pass's input (the embedding at depth 0, Eq. 4's mixture deeper)
-    and block l - 1's output, checked against the backbone run by hand."""
+    and block l - 1's output, and for l = n_layer the last block's output after the final norm
+    (Hugging Face's last hidden state, as the authors read it), checked against the backbone
+    run by hand."""
     model = make(0, decider_layers=(0, 2, 3))
     idx = torch.randint(53, (2, 7))
     out = model(idx, mode="always", features=True)
@@ -496,7 +548,9 @@ def test_decider_reads_hidden_states_indexed_as_the_authors_0_is_the_pass_input(
         return x, u
     model.backbone.run_blocks(x, layer)
     torch.testing.assert_close(f0.states[1], outs[1])
-    torch.testing.assert_close(f0.states[2], outs[2])
+    normed = outs[2] / outs[2].pow(2).mean(-1, keepdim=True).add(model.cfg.norm_eps).sqrt() * model.backbone.norm_f.weight
+    torch.testing.assert_close(f0.states[2], normed)  # state 3 = n_layer: after the final RMSNorm
+    assert not torch.allclose(f0.states[2], outs[2])
     torch.testing.assert_close(f1.states[0], model.next_input(out.first_logits))
     with pytest.raises(ValueError, match="decider_layers"):
         make(0, decider_layers=(4,))  # n_layer 3: states 0..3

@@ -38,7 +38,8 @@ from moe import ModelConfig, Transformer
 from report import RULE, Claim, Effect, judge, plot, plot_sweep, summarize, table
 from tah import TaHConfig, ThinkAtHard, oracle_depths
 from tasks import Arith, Lookups, atomic, load_text
-from trainer import DDP, MASTER, PROGRESS, batch_gen, evaluate, load_checkpoint, log, train
+from trainer import (DDP, MASTER, PROGRESS, WORLD, batch_gen, eval_batches, evaluate, finite_loss, load_checkpoint,
+                     log, train)
 
 
 # -----------------------------------------------------------------------------
@@ -92,8 +93,9 @@ class Preset:
 
 
 PRESETS = {
-    "cpu": Preset(),
-    "gpu": Preset(n_layer=8, n_embd=192, n_head=18, n_kv_head=3, head_dim=32, n_experts=16, top_k=2,
+    "default": Preset(),  # the measured protocol (README, RESULTS), on any device
+    "large": Preset(  # not yet measured: wider, deeper, longer, for a GPU; opt-in (--preset large)
+n_layer=8, n_embd=192, n_head=18, n_kv_head=3, head_dim=32, n_experts=16, top_k=2,
                   expert_hidden=192, ffn_hidden=576, layout="IIFIILII", window=64, block=128,
                   batch=32, iters=600, lr=2e-3, warmup=50, eval_batches=16, hd_base_iters=600, hd_cont_iters=300,
                   digits=6, add_layers=4, tah_batch=64, tah_base_iters=1500, tah_sft_iters=800,
@@ -382,7 +384,7 @@ def tah_eval(model, data, P, args, mode, oracle, threshold=None):
     imitates the oracle."""
     model.eval()
     losses, oks, first_oks, hard, went, ems, iterated = [], [], [], [], [], [], []
-    for k in range(P.eval_batches):
+    for k in range(eval_batches(P, args)):
         x, y = data.batch(args.eval_split, P.batch, P.block, batch_gen(args.eval_seed, k, args.eval_split))
         x, y = x.to(args.device), y.to(args.device)
         depths = oracle(x, y)
@@ -398,7 +400,8 @@ def tah_eval(model, data, P, args, mode, oracle, threshold=None):
         went.append((out.depths > 1)[keep])
     model.train()
     ok, first_ok, hard, went = (torch.cat(v) for v in (oks, first_oks, hard, went))
-    r = {"loss": float(np.mean(losses)), "acc": ok.float().mean().item(), "exact match": float(np.mean(ems)),
+    r = {"loss": finite_loss({"loss": float(np.mean(losses))})["loss"], "acc": ok.float().mean().item(),
+         "exact match": float(np.mean(ems)),
          "iterated": float(np.mean(iterated)), "passes per token": 1 + float(np.mean(iterated))}
     if mode == "decider":  # imitation of the oracle over answers (other positions are trivially "stop")
         tp, pos, neg = (went & hard).sum().item(), hard.sum().item(), (~hard).sum().item()
@@ -420,6 +423,7 @@ def tah_routing_rows(fx, models, ev, seed):
         # revisions against Standard's prediction of the same token (TaH Fig. 1b)
         r["corrected vs Standard"] = int((o["ok"] & ~o_std["ok"]).sum())
         r["corrupted vs Standard"] = int((~o["ok"] & o_std["ok"]).sum())
+        r["corrupted - corrected vs Standard"] = r["corrupted vs Standard"] - r["corrected vs Standard"]
         sweep[models[which].cfg.threshold if mode == "decider" else mode] = r
         if mode == "decider":  # cost beside accuracy: how much of AlwaysThink's gain, at what share of its passes
             gain = sweep["always"]["acc"] - r_std["acc"]
@@ -465,7 +469,7 @@ def tah_claims(fx, task):
         Claim(f"{task}: the decider iterates at most 10% of positions", r, TAH_DECIDER, 0.10, "iterated", -1),
         Claim(f"{task}: the decider imitates the oracle: balanced accuracy above 0.85", r, TAH_DECIDER, 0.85,
               "decider balanced acc", +1),
-        Claim(f"{task}: latent overthinking: AlwaysThink corrupts more than it corrects", r, ALWAYS, ALWAYS,
+        Claim(f"{task}: latent overthinking: AlwaysThink corrupts more than it corrects", r, ALWAYS, 0,
               "corrupted - corrected vs Standard", +1),
         Claim(f"{task}: AlwaysThink falls below Standard (paper: 44.7 vs 47.8)", r, ALWAYS, STANDARD, "acc", -1),
     ]
@@ -525,19 +529,22 @@ SUITES = {"hd": suite_hd, "tah": suite_tah, "tah-add": suite_tah_add, "moe": sui
 CLAIMS = HD_CLAIMS + tah_claims(TAH, "TaH, lookups") + MOE_CLAIMS + tah_claims(TAH_ADD, "TaH, addition")
 
 
-def planned(P, suite, every_arm):
-    """(training stages, training steps) one seed of a suite runs, for the progress line, counted
-    from the same arm lists the suites run."""
-    if suite == "hd":
-        cont = [a for a in hd_continued_ablation_arms(P) if a[2] is not None] if every_arm else []
-        scratch = hd_ablation_arms(P) if every_arm else []
-        return (1 + len(HD_CONT_NS) + len(cont) + len(scratch),
-                P.hd_base_iters + (len(HD_CONT_NS) + len(cont)) * P.hd_cont_iters + len(scratch) * P.iters)
-    if suite in ("tah", "tah-add"):  # base, Standard, AlwaysThink, stage 1, stage 2 (+ ablated stage 1s)
-        sft = 3 + (len(TAH_ATTENTION_ABLATIONS) if every_arm else 0)
-        return 2 + sft, P.tah_base_iters + sft * P.tah_sft_iters + P.decider_iters
-    arms = moe_arms(every_arm)
-    return len(arms), len(arms) * P.iters
+def planned(args, data, todo):
+    """What the (suite, seed)s to do will train: their stages in order as (arm, steps), and each
+    arm's seconds per step, both read off a probe that runs each suite's protocol once (on the
+    first seed to do) with every stage cut to a few steps and every evaluation to one batch. The
+    stages and their step counts are the protocol's own; nothing here restates them."""
+    stages, args.probe = {}, []
+    try:
+        for suite, seed in todo:
+            if suite not in stages:
+                del args.probe[:]
+                SUITES[suite](args.P, args, seed, data[suite], args.every_arm)
+                stages[suite] = list(args.probe)
+    finally:
+        args.probe = None
+    rates = {arm: sec for found in stages.values() for arm, _, sec in found if sec is not None}
+    return [(arm, steps) for suite, _ in todo for arm, steps, _ in stages[suite]], rates
 
 
 # -----------------------------------------------------------------------------
@@ -548,6 +555,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     pass
 
 
+def flag(ap, name, **kw):
+    """One option under both spellings, --a_b and --a-b."""
+    spellings = dict.fromkeys((f"--{name.replace('-', '_')}", f"--{name.replace('_', '-')}"))
+    return ap.add_argument(*spellings, **kw)
+
+
 def preset_flags(ap):
     """One flag per Preset field, nanoGPT style (--n_layer=4, --plays=macbeth,hamlet): each
     overrides the chosen preset's value."""
@@ -556,8 +569,7 @@ def preset_flags(ap):
         kind = type(f.default)
         parse_value = (lambda v: tuple(x for x in v.split(",") if x)) if kind is tuple else kind
         values = ", ".join(f"{k} {getattr(p, f.name)!r}" for k, p in PRESETS.items())
-        group.add_argument(f"--{f.name}", type=parse_value, default=argparse.SUPPRESS,
-                           metavar=kind.__name__.upper(), help=values)
+        flag(group, f.name, type=parse_value, default=argparse.SUPPRESS, metavar=kind.__name__.upper(), help=values)
 
 
 def check_preset(P):
@@ -576,10 +588,10 @@ def check_preset(P):
         return f"--digits must be <= 18 (the operands are int64), got {P.digits}"
     if len(set(P.plays)) != len(P.plays):
         return f"--plays names a play twice: {','.join(P.plays)}"
-    for flag, task in (("symbols/queries", Lookups(P.symbols, P.queries, P.two_hop)), ("digits", Arith(P.digits))):
+    for name, task in (("symbols/queries", Lookups(P.symbols, P.queries, P.two_hop)), ("digits", Arith(P.digits))):
         if task.problem_len > P.block:
             return (f"--block {P.block} holds no whole {type(task).__name__} problem ({task.problem_len} "
-                    f"tokens): raise --block or lower --{flag}")
+                    f"tokens): raise --block or lower --{name}")
     try:
         HDConfig(**backbone_cfg(P, 100, layout=P.layout, window=P.window, n_streams=4))
         for task, layers in ((Lookups(P.symbols, P.queries, P.two_hop), P.tah_layers), (Arith(P.digits), P.add_layers)):
@@ -589,77 +601,108 @@ def check_preset(P):
     return None
 
 
-def parse(argv):
+def parser():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--suite", default="headline", metavar="{headline,all,hd,tah,moe,...}",
-                    help="headline: the HD and TaH demonstrations; all: every arm of hd, tah and moe; or a comma "
-                         "list of hd,tah,moe")
-    ap.add_argument("--preset", choices=sorted(PRESETS), help="the budget; default: gpu with CUDA, cpu without")
-    ap.add_argument("--smoke", action="store_true", help="every suite's code path, tiny and fast (its own preset)")
-    ap.add_argument("--rehearse", action="store_true",
-                    help="the gpu preset's every arm at its full shapes, 2 steps each, here (bf16 autocast on CPU): "
-                         "parameter counts, activation memory, and any error a GPU run would meet early")
-    ap.add_argument("--data", help="train the HD and MoE suites on this UTF-8 text file instead of Shakespeare")
-    ap.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-steps")
-    ap.add_argument("--muon", action="store_true", help="Muon for 2-D weights in the blocks, AdamW for the rest")
-    ap.add_argument("--compile", action="store_true",
-                    help="torch.compile the models (CUDA or CPU; on CPU it only checks the compile path)")
-    ap.add_argument("--out", default="out", help="folder for results, checkpoints and the token cache")
-    ap.add_argument("--log-every", type=int, default=50, help="steps between log lines")
-    ap.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
-    ap.add_argument("--threads", type=int, default=2,
-                    help="CPU threads (the README's numbers and timings used 2; float sums, and so the last "
-                         "digits, depend on it)")
-    ap.add_argument("--fresh", action="store_true",
-                    help="delete this configuration's checkpoints and finished rows first, and train everything again")
-    ap.add_argument("--dev", action="store_true",
-                    help="evaluate on the dev set instead of the held-out set: for trying things out")
+    flag(ap, "suite", default="headline", metavar="{headline,all,hd,tah,moe,...}",
+         help="headline: the HD and TaH demonstrations; all: every suite with every ablation arm (hd, tah, "
+              "moe, tah-add); or a comma list of " + ",".join(SUITES))
+    flag(ap, "preset", choices=sorted(PRESETS),
+         help="default: the measured protocol, on any device; large: wider and longer for a GPU, not yet measured")
+    flag(ap, "smoke", action="store_true", help="every suite's code path, tiny and fast (its own preset)")
+    flag(ap, "rehearse", action="store_true",
+         help="the large preset's every arm at its full shapes, 2 steps each, here (bf16 autocast on CPU): "
+              "parameter counts, activation memory, and any error a GPU run would meet early")
+    flag(ap, "data", help="train the HD and MoE suites on this UTF-8 text file instead of Shakespeare")
+    flag(ap, "accum", type=int, default=1, help="gradient accumulation micro-steps")
+    flag(ap, "muon", action="store_true", help="Muon for 2-D weights in the blocks, AdamW for the rest")
+    flag(ap, "compile", action="store_true", help="torch.compile the models (on CPU it only checks the compile path)")
+    flag(ap, "out", default="out", help="folder for results, checkpoints and the token cache")
+    flag(ap, "log_every", type=int, default=50, help="steps between log lines")
+    flag(ap, "ckpt_every", type=int, default=50, help="steps between checkpoints")
+    flag(ap, "device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    flag(ap, "threads", type=int, default=2,
+         help="CPU threads (the README's numbers used 2; float sums, and so the last digits, depend on it)")
+    flag(ap, "seed0", type=int, default=0, help="the first seed: a run trains seeds seed0 .. seed0 + seeds - 1")
+    flag(ap, "fresh", action="store_true",
+         help="delete this configuration's checkpoints and finished rows first, and train everything again")
+    flag(ap, "dev", action="store_true", help="evaluate on the dev set instead of the held-out set: for trying things out")
     preset_flags(ap)
+    return ap
+
+
+def parse(argv):
+    """The command line, checked whole before anything trains: one line per problem."""
+    ap = parser()
     args = ap.parse_args(argv)
-    every = list(SUITES)
-    headline = every if args.smoke else ["hd", "tah"]  # --smoke: every code path
-    names = {"headline": headline, "all": every}.get(args.suite, args.suite.split(","))
-    bad = [s for s in names if s not in SUITES]
-    if bad:
-        ap.error(f"unknown suite(s) {bad}; choose headline, all, or from {sorted(SUITES)}")
-    if len(set(names)) != len(names):
-        ap.error(f"--suite {args.suite} names a suite twice")
-    if args.smoke and args.preset:
-        ap.error("--smoke is its own preset; give --smoke or --preset, not both")
-    if args.rehearse and (args.smoke or args.preset or args.suite != "headline"):
-        ap.error("--rehearse runs every suite of the gpu preset; give it without --smoke, --preset or --suite")
-    if not args.out.strip():
-        ap.error("--out must name a folder")
-    if args.data and not any(s in ("hd", "moe") for s in names):
-        ap.error("--data feeds the hd and moe suites only; this run has neither")
-    for k in ("accum", "log_every", "ckpt_every", "threads"):
-        if getattr(args, k) < 1:
-            ap.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
-    if args.data and not Path(args.data).is_file():
-        ap.error(f"--data {args.data}: no such file" + (" (it is a folder)" if Path(args.data).is_dir() else ""))
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
-        ap.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
-    if args.device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            ap.error(f"--device {args.device}: CUDA is not available")
-        if ":" in args.device and int(args.device.split(":")[1]) >= torch.cuda.device_count():
-            ap.error(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s)")
-    args.preset_name = "smoke" if args.smoke else args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")
+    names = {"headline": list(SUITES) if args.smoke else ["hd", "tah"], "all": list(SUITES)}.get(
+        args.suite, args.suite.split(","))  # --smoke: every code path
+    problem = check_args(args, names)
+    if problem:
+        ap.error(problem)
+    args.preset_name = "smoke" if args.smoke else args.preset or "default"
     P = PRESETS[args.preset_name]
-    if args.rehearse:  # the gpu shapes, every arm, 2 steps each, one seed, one evaluation batch
-        args.preset_name, names = "gpu (rehearsal)", every
-        P = replace(PRESETS["gpu"], iters=2, hd_base_iters=2, hd_cont_iters=2, tah_base_iters=2, tah_sft_iters=2,
+    if args.rehearse:  # the large shapes, every arm, 2 steps each, one seed, one evaluation batch
+        args.preset_name, names = "large (rehearsal)", list(SUITES)
+        P = replace(PRESETS["large"], iters=2, hd_base_iters=2, hd_cont_iters=2, tah_base_iters=2, tah_sft_iters=2,
                     decider_iters=2, warmup=1, eval_batches=1, tah_eval_batches=1, seeds=1)
         args.out = args.out if args.out != "out" else "out-rehearsal"
     args.P = replace(P, **{f.name: getattr(args, f.name) for f in fields(Preset) if hasattr(args, f.name)})
-    problem = check_preset(args.P)
+    problem = check_preset(args.P) or check_batches(args.P, names, args.accum)
     if problem:
         ap.error(problem)
-    args.suites = names
+    args.suites, args.seeds = names, range(args.seed0, args.seed0 + args.P.seeds)
     args.every_arm = args.suite == "all" or args.smoke or args.rehearse
     args.eval_split, args.eval_seed = ("dev", 104729) if args.dev else ("val", 7919)
     return args
+
+
+def check_args(args, names):
+    """The flags apart from the preset's: the first problem, as one line, or None."""
+    bad = [s for s in names if s not in SUITES]
+    if bad:
+        return f"unknown suite(s) {bad}; choose headline, all, or from {sorted(SUITES)}"
+    if len(set(names)) != len(names):
+        return f"--suite {args.suite} names a suite twice"
+    if args.smoke and args.preset:
+        return "--smoke is its own preset; give --smoke or --preset, not both"
+    if args.rehearse and (args.smoke or args.preset or args.suite != "headline"):
+        return "--rehearse runs every suite of the large preset; give it without --smoke, --preset or --suite"
+    if not args.out.strip() or not is_utf8(args.out) or (args.data and not is_utf8(args.data)):
+        return "--out must name a folder, and --out and --data must be UTF-8 paths"
+    if args.data and not any(s in ("hd", "moe") for s in names):
+        return "--data feeds the hd and moe suites only; this run has neither"
+    for k in ("accum", "log_every", "ckpt_every", "threads"):
+        if getattr(args, k) < 1:
+            return f"--{k} must be >= 1, got {getattr(args, k)}"
+    if args.seed0 < 0:
+        return f"--seed0 must be >= 0, got {args.seed0}"
+    if args.data and not Path(args.data).is_file():
+        return f"--data {args.data}: no such file" + (" (it is a folder)" if Path(args.data).is_dir() else "")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        return f"--device must be cpu, cuda or cuda:N, got {args.device!r}"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device {args.device}: CUDA is not available"
+    if ":" in args.device and int(args.device.split(":")[1]) >= torch.cuda.device_count():
+        return f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
+def is_utf8(path):
+    try:
+        path.encode("utf-8")
+        return True
+    except UnicodeEncodeError:  # a byte that is not UTF-8 arrives as a surrogate escape
+        return False
+
+
+def check_batches(P, names, accum):
+    """Every suite's global batch splits into ranks x micro-steps: checked before the first step."""
+    for name, batch in (("batch", P.batch), ("tah_batch", P.tah_batch)):
+        used = name == "batch" and any(s in ("hd", "moe") for s in names) or \
+            name == "tah_batch" and any(s.startswith("tah") for s in names)
+        if used and batch % (WORLD * accum):
+            return f"--{name} {batch} does not split into {WORLD} rank(s) x {accum} micro-step(s) (--accum)"
+    return None
 
 
 # -----------------------------------------------------------------------------
@@ -673,54 +716,61 @@ def main(argv=None):
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-    P, out = args.P, Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write_test_{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
+    try:  # the file system's errors (a path that is a folder, no permission, a full disk): one line each
+        run(args, argv)
     except OSError as e:
-        raise SystemExit(f"error: output folder {out} is not writable ({e})")
+        raise SystemExit(f"error: {e.strerror or e} ({e.filename or 'a file of this run'}); nothing of the step that "
+                         "met it is saved")
+    if DDP:
+        dist.destroy_process_group()
+
+
+def run(args, argv):
+    """Train every (suite, seed) not done yet, saving the rows after each, then report."""
+    P, out = args.P, Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in RESULTS:  # a run that stops early must not leave another run's results beside it
+        (out / stale).unlink(missing_ok=True)
     torch.set_float32_matmul_precision("high")
     torch.set_num_threads(args.threads)
-    text = load_text(args, P, out)
+    text = load_text(args.data, P.plays, P.block, out) if {"hd", "moe"} & set(args.suites) else None
     log(f"preset {args.preset_name}: {P}")
     if text is not None:
         log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}")
     rows_path = open_run(args, P, text, out)
-    rows = load_rows(rows_path)
+    rows = load_rows(rows_path, args.run_key)
     done = {(r["suite"], r["seed"]) for r in rows}
     t0 = time.time()
-    todo = [(suite, seed) for suite in args.suites for seed in range(P.seeds) if (suite, seed) not in done]
-    PROGRESS.arms = sum(planned(P, suite, args.every_arm)[0] for suite, _ in todo)
-    PROGRESS.total = sum(planned(P, suite, args.every_arm)[1] for suite, _ in todo)
+    todo = [(suite, seed) for suite in args.suites for seed in args.seeds if (suite, seed) not in done]
     data = {"hd": text, "moe": text, "tah": Lookups(P.symbols, P.queries, P.two_hop), "tah-add": Arith(P.digits)}
+    PROGRESS.start(*planned(args, data, todo))
     for suite in args.suites:
-        for seed in range(P.seeds):
+        for seed in args.seeds:
             if (suite, seed) in done:
                 log(f"{suite} seed {seed}: already done, skipped")
                 continue
             rows += [{**r, "suite": suite} for r in SUITES[suite](P, args, seed, data[suite], args.every_arm)]
             if MASTER:
-                save_rows(rows_path, rows)
+                save_rows(rows_path, rows, args.run_key)
     if MASTER:
         report(rows, args, P, out, argv, time.time() - t0)
-    if DDP:
-        dist.destroy_process_group()
 
 
+RESULTS = ("results.md", "results.json", "loss_curves.png", "tah_tradeoff.png")
 HERE = Path(__file__).resolve().parent
 SOURCES = ("moe.py", "hd.py", "tah.py", "checks.py", "tasks.py", "trainer.py", "report.py", "train_tiny.py")  # all that can change a result
 
 
 def open_run(args, P, text, out):
-    """The folder of this exact configuration (preset, flags, data, code), where checkpoints and
-    finished rows live; returns the path of its rows file."""
+    """The folder of this exact configuration (preset, flags, data, code, world size), where
+    checkpoints and finished rows live, each carrying the configuration's key; returns the path
+    of its rows file."""
     code = [hashlib.sha256((HERE / f).read_bytes()).hexdigest() for f in SOURCES]
     data_key = hashlib.sha256(text.tokens.tobytes()).hexdigest() if text is not None else None
     key = hashlib.sha256(json.dumps([asdict(P), args.muon, args.accum, args.device, args.threads, args.dev, data_key,
-                                     code, args.every_arm, args.compile, args.rehearse]).encode()).hexdigest()[:10]
-    args.run_dir = out / f"run-{key}"
+                                     code, args.every_arm, args.compile, args.rehearse, args.seed0, WORLD]
+                                    ).encode()).hexdigest()[:10]
+    args.run_key, args.run_dir = key, out / f"run-{key}"
     if args.fresh and MASTER and args.run_dir.exists():
         shutil.rmtree(args.run_dir)
     args.run_dir.mkdir(exist_ok=True)
@@ -736,13 +786,15 @@ def rows_digest(rows):
     return hashlib.sha256(json.dumps(rows, indent=1).encode()).hexdigest()
 
 
-def save_rows(path, rows):
-    """The finished rows, with the sha256 load_rows checks."""
-    atomic(path, lambda f: f.write(json.dumps({"sha256": rows_digest(rows), "rows": rows}, indent=1).encode()))
+def save_rows(path, rows, key):
+    """The finished rows, with the run's key and the sha256 load_rows checks."""
+    doc = {"run": key, "sha256": rows_digest(rows), "rows": rows}
+    atomic(path, lambda f: f.write(json.dumps(doc, indent=1).encode()))
 
 
-def load_rows(path):
-    """The rows of the finished (suite, seed)s, or one line naming the file if it was changed."""
+def load_rows(path, key):
+    """The rows of the finished (suite, seed)s of run `key`, or one line naming the file if it
+    was changed or belongs to another run."""
     if not path.exists():
         return []
     try:
@@ -754,6 +806,9 @@ def load_rows(path):
     if not ok:
         raise SystemExit(f"error: {path} is damaged (unreadable, or its checksum does not match); delete it "
                          f"(the checkpoints beside it are reused), or run with --fresh")
+    if doc.get("run") != key:
+        raise SystemExit(f"error: {path} holds the rows of run {doc.get('run')}, not of this run ({key}); delete "
+                         f"it, or run with --fresh")
     return rows
 
 

@@ -42,6 +42,9 @@ def dist_env(env):
     missing = [k for k in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
     if missing:
         raise SystemExit(f"error: RANK is set but {', '.join(missing)} not: launch with torchrun, or unset RANK")
+    if not env["MASTER_PORT"].isdigit() or not env["LOCAL_RANK"].isdigit():
+        raise SystemExit(f"error: MASTER_PORT and LOCAL_RANK must be integers, got {env['MASTER_PORT']!r} and "
+                         f"{env['LOCAL_RANK']!r}")
     return True, rank, world
 
 
@@ -65,19 +68,40 @@ def batch_gen(seed, it, split):
 
 
 class Progress:
-    """Overall progress of one invocation: training steps planned and done, for the ETA."""
+    """The whole invocation's progress: the stages it plans to train, in order, as [arm, steps
+    left], and the time left, from each arm's own seconds per step (the planning probe's at
+    first, then its real steps'), scaled by how much of the time so far went to anything but
+    training steps (evaluation, building models)."""
 
     def __init__(self):
-        self.total, self.done, self.arm, self.arms, self.t0 = 0, 0, 0, 0, time.time()
+        self.plan, self.rate, self.arm, self.stepping, self.t0 = [], {}, 0, 0.0, time.time()
+
+    def start(self, plan, rates):
+        self.planned, self.plan, self.rate = list(plan), [[arm, steps] for arm, steps in plan], dict(rates)
+        self.total, self.arm, self.stepping, self.t0 = sum(s for _, s in plan), 0, 0.0, time.time()
+
+    def advance(self, arm, steps=1, seconds=None):
+        """`steps` steps of arm done (one, in `seconds`, when timed; a resumed arm's, untimed)."""
+        entry = next((p for p in self.plan if p[0] == arm and p[1] > 0), None)
+        if entry is not None:
+            entry[1] -= steps
+        if seconds is not None:
+            self.stepping += seconds
+            r = self.rate.get(arm)
+            self.rate[arm] = seconds if r is None else 0.8 * r + 0.2 * seconds
 
     def line(self):
         el = time.time() - self.t0
-        left = el / self.done * (self.total - self.done) if self.done else float("nan")
-        return (f"arm {self.arm}/{self.arms} | {self.done}/{self.total} steps | elapsed {el / 60:.1f} min"
-                + (f" | ~{left / 60:.1f} min left" if self.done else ""))
+        left_steps = sum(max(s, 0) for _, s in self.plan)
+        known = list(self.rate.values()) or [0.0]
+        train_left = sum(max(s, 0) * self.rate.get(a, sum(known) / len(known)) for a, s in self.plan)
+        left = train_left * (el / self.stepping if self.stepping > 0 else 1.0)
+        return (f"arm {self.arm}/{len(self.plan)} | {getattr(self, 'total', 0) - left_steps}/{getattr(self, 'total', 0)} "
+                f"steps | elapsed {el / 60:.1f} min" + (f" | ~{left / 60:.1f} min left" if self.rate else ""))
 
 
 PROGRESS = Progress()
+PROBE_STEPS = 4  # steps each stage runs in the planning probe (the first one, a warm-up, is not timed)
 
 
 def backbone_of(model):
@@ -86,12 +110,13 @@ def backbone_of(model):
 
 def make_optimizer(model, lr, muon):
     params = [p for p in model.parameters() if p.requires_grad]
-    if muon:  # Muon for 2-D weight matrices inside the blocks; AdamW for the rest
+    if muon:  # Muon for 2-D weight matrices inside the blocks; AdamW for the rest (either may have none:
+        # TaH's stage 2 trains only the decider, outside the blocks)
         mats = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim == 2 and ".blocks." in f".{n}"]
         ids = {id(p) for p in mats}
         rest = [p for p in params if id(p) not in ids]
-        return [torch.optim.Muon(mats, lr=lr, adjust_lr_fn="match_rms_adamw"),
-                torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)]
+        return ([torch.optim.Muon(mats, lr=lr, adjust_lr_fn="match_rms_adamw")] if mats else []) + \
+            ([torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)] if rest else [])
     decay = [p for p in params if p.ndim >= 2]
     other = [p for p in params if p.ndim < 2]
     return [torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
@@ -111,11 +136,11 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None, first_batch=0
     run before it, so it sees new batches); checkpoint every args.ckpt_every steps
     (atomically) and resume from the checkpoint if one exists. Returns the list of training
     losses (one per step)."""
-    dev = args.device
+    dev, probe = args.device, getattr(args, "probe", None)
     ckpt = Path(args.run_dir) / "ckpt" / f"{name.replace('/', '_')}_s{seed}.pt"
     opts = make_optimizer(model, P.lr, args.muon)
-    meta = dict(arm=name, seed=seed, iters=P.iters)
-    start, losses = resume(ckpt, model, opts, dev, meta)
+    meta = dict(arm=name, seed=seed, iters=P.iters, run=getattr(args, "run_key", None))
+    start, losses = (0, []) if probe is not None else resume(ckpt, model, opts, dev, meta)
     if 0 < start < P.iters:
         log(f"[{name} s{seed}] resuming at step {start}")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -126,11 +151,13 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None, first_batch=0
     autocast = (torch.autocast("cuda", torch.bfloat16) if dev.startswith("cuda") else
                 torch.autocast("cpu", torch.bfloat16) if rehearse else contextlib.nullcontext())
     fwd_model = torch.compile(model) if getattr(args, "compile", False) else model  # shares the weights
-    PROGRESS.arm += 1
-    PROGRESS.done += start
-    log(f"[{name} s{seed}] {P.iters} steps, lr {P.lr:g}, batch {P.batch} | {PROGRESS.line()}")
-    t0 = time.perf_counter()
-    for it in range(start, P.iters):
+    if probe is None:
+        PROGRESS.arm += 1
+        PROGRESS.advance(name, start)
+        log(f"[{name} s{seed}] {P.iters} steps, lr {P.lr:g}, batch {P.batch} | {PROGRESS.line()}")
+    t0 = t_step = time.perf_counter()
+    times = []
+    for it in range(start, min(P.iters, PROBE_STEPS) if probe is not None else P.iters):
         for o in opts:
             for g in o.param_groups:
                 g["lr"] = lr_at(it, P)
@@ -159,7 +186,12 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None, first_batch=0
             raise SystemExit(f"error: [{name} s{seed}] loss is {total} at step {it + 1}; nothing after it "
                              f"is reported (try a lower lr)")
         losses.append(total)
-        PROGRESS.done += 1
+        now = time.perf_counter()
+        times.append(now - t_step)
+        t_step = now
+        if probe is not None:
+            continue
+        PROGRESS.advance(name, 1, times[-1] if it > start else None)  # a stage's first step warms up: untimed
         done = it + 1
         if done % args.log_every == 0 or done == P.iters:
             log_step(name, seed, done, P, total, (time.perf_counter() - t0) / (done - start), model, dev)
@@ -171,6 +203,8 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None, first_batch=0
                 save(ckpt, model, opts, done, losses, meta)
         if on_step is not None:
             on_step(done)
+    if probe is not None:  # the planning probe: this stage's planned steps and its time per step
+        probe.append((name, P.iters, float(np.median(times[1:])) if len(times) > 1 else None))
     return losses
 
 
@@ -235,8 +269,13 @@ def save(ckpt, model, opts, done, losses, meta):
 def average_over_ranks(params, total, dev):
     """Average gradients and the loss over DDP ranks by hand: with routing (MoE, TaH depths) the
     set of parameters that receive a gradient can differ between ranks, which DDP's hooks do
-    not allow."""
-    for p in params:
+    not allow. A parameter no rank has a gradient for keeps none, as in one process: the
+    optimizer then skips it (a zero gradient would still move it through weight decay)."""
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=dev)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX)
+    for p, any_rank in zip(params, has.tolist()):
+        if not any_rank:
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
@@ -272,6 +311,10 @@ def flops_per_token(model, T):
     return n * (6 * per_row + attention)
 
 
+def eval_batches(P, args):
+    return 1 if getattr(args, "probe", None) is not None else P.eval_batches
+
+
 @torch.no_grad()
 def evaluate(model, data, P, args, fwd=None):
     """Held-out loss and accuracy of the next-token prediction (targets != -1 only), over the
@@ -280,7 +323,7 @@ def evaluate(model, data, P, args, fwd=None):
     model.eval()
     fwd = fwd or (lambda m, x, y: m(x, y)[:2])
     losses, hits, count = [], 0, 0
-    for k in range(P.eval_batches):
+    for k in range(eval_batches(P, args)):
         x, y = data.batch(args.eval_split, P.batch, P.block, batch_gen(args.eval_seed, k, args.eval_split))
         x, y = x.to(args.device), y.to(args.device)
         logits, loss = fwd(model, x, y)
@@ -289,4 +332,12 @@ def evaluate(model, data, P, args, fwd=None):
         hits += (logits.argmax(-1)[keep] == y[keep]).sum().item()
         count += keep.sum().item()
     model.train()
-    return {"loss": float(np.mean(losses)), "acc": hits / max(count, 1)}
+    return finite_loss({"loss": float(np.mean(losses)), "acc": hits / max(count, 1)})
+
+
+def finite_loss(r):
+    """An evaluation whose loss is not finite stops the run, as non-finite weights do."""
+    if not math.isfinite(r["loss"]):
+        raise SystemExit(f"error: a held-out loss is {r['loss']}: the model's outputs are not finite; nothing of "
+                         "this arm is reported (try a lower lr)")
+    return r
