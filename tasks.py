@@ -112,6 +112,18 @@ class TextData:
     def decode(self, compact):
         return load_bpe().decode(self.vocab[np.asarray(compact)].tolist())
 
+    def windows(self, split, T):
+        """The whole split as non-overlapping windows of T inputs, (n, T) each: every target
+        (token 1 .. N-1 of the split) exactly once; the last window's tail padded (input 0,
+        target -1, ignored)."""
+        data = self.split[split]
+        n = -(-(len(data) - 1) // T)
+        x, y = torch.zeros(n, T, dtype=torch.long), torch.full((n, T), -1, dtype=torch.long)
+        for k in range(n):
+            seg = data[k * T:k * T + T + 1]
+            x[k, :len(seg) - 1], y[k, :len(seg) - 1] = seg[:-1], seg[1:]
+        return x, y
+
     def batch(self, split, B, T, gen):
         data = self.split[split]
         if len(data) <= T + 1:

@@ -56,6 +56,17 @@ def test_text_round_trips_through_bpe_and_compact_ids(tmp_path):
     assert tasks.read_token_cache(tmp_path / "t.npz", text) is not None
 
 
+@given(N=st.integers(2, 300), T=st.integers(1, 40))
+@settings(max_examples=40, deadline=None)
+def test_whole_split_windows_cover_every_target_exactly_once(N, T):
+    data = tasks.TextData.__new__(tasks.TextData)
+    data.split = {"val": torch.arange(1000, 1000 + N)}  # token j of the split holds 1000 + j
+    x, y = data.windows("val", T)
+    kept = y[y != -1]
+    assert sorted(kept.tolist()) == list(range(1001, 1000 + N))  # targets 1 .. N-1, each once
+    assert torch.equal(x[y != -1] + 1, kept)  # each target's input is the token before it
+
+
 def test_clean_play_removes_the_markdown():
     md = "# Macbeth\n\n## ACT I\n\n_Thunder. Enter three\nWitches_\n\n**First Witch**  \nWhen shall we \\*three\\* meet?  \n"
     out = tasks.clean_play(md)

@@ -38,8 +38,8 @@ from moe import ModelConfig, Transformer
 from report import RULE, Claim, Effect, judge, plot, plot_sweep, summarize, table
 from tah import TaHConfig, ThinkAtHard, oracle_depths
 from tasks import Arith, Lookups, atomic, load_text
-from trainer import (DDP, MASTER, PROGRESS, WORLD, batch_gen, eval_batches, evaluate, finite_loss, load_checkpoint,
-                     log, train)
+from trainer import (DDP, MASTER, PROGRESS, WORLD, batch_gen, evaluate, finite_loss, load_checkpoint, log, probing,
+                     train)
 
 
 # -----------------------------------------------------------------------------
@@ -69,7 +69,6 @@ class Preset:
     iters: int = 300  # --suite all: every from-scratch HD arm and MoE arm
     lr: float = 3e-3
     warmup: int = 20
-    eval_batches: int = 8
     hd_base_iters: int = 150  # HD: the n=1 backbone every arm continues from
     hd_cont_iters: int = 80  # HD: steps every arm continues from the n=1 checkpoint
     # TaH: in-context lookups (Lookups) on tah_layers; addition (Arith, --suite all) on add_layers
@@ -97,12 +96,12 @@ PRESETS = {
     "large": Preset(  # not yet measured: wider, deeper, longer, for a GPU; opt-in (--preset large)
 n_layer=8, n_embd=192, n_head=18, n_kv_head=3, head_dim=32, n_experts=16, top_k=2,
                   expert_hidden=192, ffn_hidden=576, layout="IIFIILII", window=64, block=128,
-                  batch=32, iters=600, lr=2e-3, warmup=50, eval_batches=16, hd_base_iters=600, hd_cont_iters=300,
+                  batch=32, iters=600, lr=2e-3, warmup=50, hd_base_iters=600, hd_cont_iters=300,
                   digits=6, add_layers=4, tah_batch=64, tah_base_iters=1500, tah_sft_iters=800,
                   decider_iters=1200, seeds=5, plays=()),
     "smoke": Preset(n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8, n_experts=4, expert_hidden=32,
                     ffn_hidden=64, layout="IFL", window=8, block=32, batch=4, iters=4, warmup=2,
-                    eval_batches=1, hd_base_iters=4, hd_cont_iters=3, symbols=4, queries=2, digits=2, tah_batch=4,
+                    hd_base_iters=4, hd_cont_iters=3, symbols=4, queries=2, digits=2, tah_batch=4,
                     tah_base_iters=4, tah_sft_iters=3, decider_iters=3, tah_eval_batches=1, seeds=1,
                     plays=("macbeth",)),
 }
@@ -302,7 +301,7 @@ def tah_stages(P, task):
     its pairs or operands could serve (a row starts at a problem), so they are not computed."""
     block = P.block // task.problem_len * task.problem_len
     base = replace(P, batch=P.tah_batch, block=block, iters=P.tah_base_iters, lr=P.tah_base_lr,
-                   warmup=min(50, P.tah_base_iters), eval_batches=P.tah_eval_batches)
+                   warmup=min(50, P.tah_base_iters))
     sft = replace(base, iters=P.tah_sft_iters, lr=P.tah_sft_lr, warmup=min(10, P.tah_sft_iters))
     stage2 = replace(base, iters=P.decider_iters, lr=P.decider_lr, warmup=min(10, P.decider_iters))
     return base, sft, stage2
@@ -384,7 +383,7 @@ def tah_eval(model, data, P, args, mode, oracle, threshold=None):
     imitates the oracle."""
     model.eval()
     losses, oks, first_oks, hard, went, ems, iterated = [], [], [], [], [], [], []
-    for k in range(eval_batches(P, args)):
+    for k in range(1 if probing(args) else P.tah_eval_batches):
         x, y = data.batch(args.eval_split, P.batch, P.block, batch_gen(args.eval_seed, k, args.eval_split))
         x, y = x.to(args.device), y.to(args.device)
         depths = oracle(x, y)
@@ -644,7 +643,7 @@ def parse(argv):
     if args.rehearse:  # the large shapes, every arm, 2 steps each, one seed, one evaluation batch
         args.preset_name, names = "large (rehearsal)", list(SUITES)
         P = replace(PRESETS["large"], iters=2, hd_base_iters=2, hd_cont_iters=2, tah_base_iters=2, tah_sft_iters=2,
-                    decider_iters=2, warmup=1, eval_batches=1, tah_eval_batches=1, seeds=1)
+                    decider_iters=2, warmup=1, tah_eval_batches=1, seeds=1)
         args.out = args.out if args.out != "out" else "out-rehearsal"
     args.P = replace(P, **{f.name: getattr(args, f.name) for f in fields(Preset) if hasattr(args, f.name)})
     problem = check_preset(args.P) or check_batches(args.P, names, args.accum)

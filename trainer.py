@@ -311,28 +311,31 @@ def flops_per_token(model, T):
     return n * (6 * per_row + attention)
 
 
-def eval_batches(P, args):
-    return 1 if getattr(args, "probe", None) is not None else P.eval_batches
+def probing(args):
+    """Whether this is the planning probe (train_tiny.planned): every evaluation one batch."""
+    return getattr(args, "probe", None) is not None
 
 
 @torch.no_grad()
 def evaluate(model, data, P, args, fwd=None):
-    """Held-out loss and accuracy of the next-token prediction (targets != -1 only), over the
-    same fixed batches for every arm and seed (the dev set with --dev). fwd(model, x, y) ->
-    (logits, loss)."""
+    """Held-out loss and accuracy of the next-token prediction over the whole split (the dev set
+    with --dev) in non-overlapping windows of P.block tokens: every target exactly once, the
+    same for every arm and seed. fwd(model, x, y) -> (logits, loss)."""
     model.eval()
     fwd = fwd or (lambda m, x, y: m(x, y)[:2])
-    losses, hits, count = [], 0, 0
-    for k in range(eval_batches(P, args)):
-        x, y = data.batch(args.eval_split, P.batch, P.block, batch_gen(args.eval_seed, k, args.eval_split))
-        x, y = x.to(args.device), y.to(args.device)
+    xs, ys = data.windows(args.eval_split, P.block)
+    total, hits, count = 0.0, 0, 0
+    starts = range(0, len(xs), P.batch)
+    for i in starts[:1] if probing(args) else starts:
+        x, y = xs[i:i + P.batch].to(args.device), ys[i:i + P.batch].to(args.device)
         logits, loss = fwd(model, x, y)
-        losses.append(loss.item())
         keep = y != -1
+        n = keep.sum().item()
+        total += loss.item() * n  # the batch's mean over its targets, back to a sum
         hits += (logits.argmax(-1)[keep] == y[keep]).sum().item()
-        count += keep.sum().item()
+        count += n
     model.train()
-    return finite_loss({"loss": float(np.mean(losses)), "acc": hits / max(count, 1)})
+    return finite_loss({"loss": total / count, "acc": hits / count})
 
 
 def finite_loss(r):
