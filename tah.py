@@ -329,9 +329,8 @@ class ThinkAtHard(nn.Module):
                 self.read_decider(passes[-1], kept, gather(summed, sel, rows), score=mode == "decider")
             if d + 1 < cfg.max_depth:
                 active = self.route(mode, depths, passes[-1], d, (B, T), threshold or cfg.threshold)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(upcast(summed.flatten(0, 1)), targets.flatten(), ignore_index=-1)
+        loss = None if targets is None else F.cross_entropy(upcast(summed.flatten(0, 1)), targets.flatten(),
+                                                            ignore_index=-1)
         return TaHOutput(summed, loss, ran, first, passes)
 
     def read_decider(self, p, kept, summed, score):

@@ -1,8 +1,8 @@
 """
 Tiny training runs that show each effect of the three papers with numbers.
 
-    python train_tiny.py                      # the headline suites, preset picked by device
-    python train_tiny.py --suite all          # every arm (HD layouts, objectives, ...)
+    python train_tiny.py                      # the headline suites (HD, TaH), the measured protocol
+    python train_tiny.py --suite all          # every suite with every ablation arm
     python train_tiny.py --smoke              # every suite's code path in seconds
     torchrun --nproc_per_node=8 train_tiny.py # DDP: the global batch split over ranks
 
