@@ -191,7 +191,10 @@ def test_two_process_ddp_has_its_own_run_and_equals_one_process(suite, tmp_path)
         np.testing.assert_allclose(tt.load_checkpoint(a)["losses"], tt.load_checkpoint(b)["losses"], rtol=1e-3, atol=1e-5)
     rows1, rows2 = (json.loads((r / "rows.json").read_text())["rows"] for r in runs)
     assert [(r["arm"], r["metric"]) for r in rows1] == [(r["arm"], r["metric"]) for r in rows2]
-    np.testing.assert_allclose([r["value"] for r in rows1], [r["value"] for r in rows2], rtol=1e-3, atol=1e-4)
+    # losses only: a count or a share can move by one token where a score sits at a threshold
+    losses = [(a["value"], b["value"]) for a, b in zip(rows1, rows2) if a["metric"] == "loss"]
+    assert losses
+    np.testing.assert_allclose(*zip(*losses), rtol=1e-3, atol=1e-4)
 
 
 def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
@@ -208,7 +211,7 @@ def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
     md = (tmp_path / "results.md").read_text()
     effects = [v for v in vars(tt).values() if isinstance(v, tt.Effect)]
     effects += [e for v in vars(tt).values() if isinstance(v, tt.TaHEffects) for e in vars(v).values()]
-    assert len(effects) == 17  # 9 HD and MoE effects, 4 for each TaH task
+    assert len(effects) == 18  # 10 HD and MoE effects, 4 for each TaH task
     for effect in effects:  # every effect reported, with the paper's figure in its caption
         assert f"**{effect.name}** (paper: {effect.paper})" in md, effect
     result = json.loads((tmp_path / "results.json").read_text())
@@ -243,7 +246,8 @@ def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp
         return real(name, model, recording, data, P, args, seed, on_step, **kw)
     monkeypatch.setattr(tt, "train", spy)
     P = tt.PRESETS["smoke"]
-    tt.suite_hd(P, suite_args(tmp_path), 0, tt.Arith(2), every_arm=False)
+    text = tasks.TextData("Is this a dagger which I see before me, the handle toward my hand? " * 60, tmp_path / "t.npz")
+    tt.suite_hd(P, suite_args(tmp_path), 0, text, every_arm=False)
     assert sorted(seen) == [1, 2, 4]
     (body1, (e0,)), batches1 = seen[1]
     for n in (2, 4):
@@ -697,6 +701,43 @@ def test_muon_runs_every_suite(tmp_path):
     nothing there and AdamW takes the rest."""
     tt.main(["--smoke", "--muon", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "results.json").read_text())["verdicts"]
+
+
+def test_progressive_expansion_chain_keeps_the_function_at_each_stage():
+    """1 -> 2 -> 4 (HD §2.3): where expansion is exactly function-preserving (intra-stream layers,
+    every stream of a token at its position), each stage starts with its predecessor's logits."""
+    torch.manual_seed(0)
+    cfg = tt.HDConfig(vocab_size=61, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8,
+                      n_experts=4, expert_hidden=16, layout="III", positions="token", n_streams=1)
+    one = tt.HiddenDecoding(cfg).eval()
+    two = tt.expand_streams(one, 2)
+    with torch.no_grad():
+        for p in two.parameters():  # stage 1 trains: the next expansion starts from other weights
+            p.add_(0.01 * torch.randn_like(p))
+    four = tt.expand_streams(two, 4)
+    idx = torch.randint(61, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(tt.expand_streams(one, 2)(idx)[0], one(idx)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(four(idx)[0], two(idx)[0], atol=1e-5, rtol=1e-5)
+    assert four.cfg.n_streams == 4 and torch.equal(four.tables[3].weight, two.tables[1].weight)
+
+
+def test_the_progressive_suites_control_sees_the_batches_of_the_expanded_arms(tmp_path, monkeypatch):
+    seen, real = [], tt.train
+
+    def recording(name, model, loss_fn, data, P, args, seed, on_step=None, first_batch=0):
+        if args.probe is None:
+            seen.append((name, first_batch, P.iters, getattr(model.cfg, "n_streams", 1)))
+        return real(name, model, loss_fn, data, P, args, seed, on_step, first_batch=first_batch)
+    monkeypatch.setattr(tt, "train", recording)
+    tt.main(["--smoke", "--suite", "hd-progressive", "--out", str(tmp_path)])
+    P = tt.PRESETS["smoke"]
+    by_stage = {}
+    for name, first, iters, n in seen[1:]:
+        by_stage.setdefault(name.rsplit(" ", 1)[1], set()).add((first, iters))
+        assert name.startswith(f"hd-progressive/n={n} stage")
+    assert by_stage == {"1": {(P.hd_base_iters, P.hd_cont_iters)}, "2": {(P.hd_base_iters + P.hd_cont_iters, P.hd_cont_iters)}}
+    assert [n for *_, n in seen] == [1, 1, 2, 1, 2, 4]
 
 
 def test_a_non_finite_evaluation_stops_the_run_and_leaves_no_results(tmp_path):

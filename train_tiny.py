@@ -225,10 +225,46 @@ def suite_hd_ablations(P, args, seed, data):
     return rows
 
 
+# The paper's expansion protocol (HD §2.3, §4.3): 1 -> 2 -> 4, each stage from the previous one
+
+
+HD_PROG = Effect("HD: progressive expansion 1 -> 2 -> 4, each stage continued from the previous stage's checkpoint",
+                 "HD §2.3, §4.3 (Fig. 4b): each expansion lowers the loss further; n=1 continues as the control")
+
+
+def prog_arm(n, stage):
+    return f"n={n} after stage {stage}"
+
+
+def suite_hd_progressive(P, args, seed, data, every_arm):
+    """HD as the paper scales it: the n=1 backbone, then stage 1 (n=2 expanded from it) and
+    stage 2 (n=4 expanded from stage 1's n=2), P.hd_cont_iters steps each on the next batches.
+    On the same batches for the same steps: n=1 through both stages (the control), and n=2
+    through stage 2 (so that n=4 meets n=2 at equal steps)."""
+    torch.manual_seed(seed)
+    base = HiddenDecoding(HDConfig(**backbone_cfg(P, data.vocab_size, layout=P.layout, window=P.window,
+                                                  n_streams=1))).to(args.device)
+    train("hd-progressive/backbone n=1", base, lm_loss, data, replace(P, iters=P.hd_base_iters), args, seed)
+    cont, rows = replace(P, iters=P.hd_cont_iters), []
+    models = {n: expand_streams(base, n).to(args.device) for n in (1, 2)}
+    for stage in (1, 2):
+        if stage == 2:  # n=4 from stage 1's n=2, before that one trains on
+            models[4] = expand_streams(models[2], 4).to(args.device)
+        for n, model in models.items():
+            train(f"hd-progressive/n={n} stage {stage}", model, lm_loss, data, cont, args, seed,
+                  first_batch=P.hd_base_iters + (stage - 1) * P.hd_cont_iters)
+            rows += result_rows(HD_PROG, prog_arm(n, stage), seed, evaluate(model, data, P, args))
+    return rows
+
+
 HD_CLAIMS = [
     Claim("HD n=2 beats n=1 (continued from one checkpoint)", HD_N, hd_cont_arm(2), hd_cont_arm(1), "loss", -1),
     Claim("HD n=4 beats n=1 (continued from one checkpoint)", HD_N, hd_cont_arm(4), hd_cont_arm(1), "loss", -1),
     Claim("HD gain grows with n: n=4 beats n=2", HD_N, hd_cont_arm(4), hd_cont_arm(2), "loss", -1),
+    Claim("HD progressive: n=2 beats n=1 after stage 1", HD_PROG, prog_arm(2, 1), prog_arm(1, 1), "loss", -1),
+    Claim("HD progressive: n=4 (from n=2) beats n=1 after stage 2", HD_PROG, prog_arm(4, 2), prog_arm(1, 2), "loss", -1),
+    Claim("HD progressive: gain grows with n: n=4 beats n=2 after stage 2", HD_PROG, prog_arm(4, 2), prog_arm(2, 2),
+          "loss", -1),
 ]
 
 
@@ -524,7 +560,8 @@ MOE_CLAIMS = [
 # Every suite, every claim
 
 
-SUITES = {"hd": suite_hd, "tah": suite_tah, "tah-add": suite_tah_add, "moe": suite_moe}
+SUITES = {"hd": suite_hd, "tah": suite_tah, "tah-add": suite_tah_add, "moe": suite_moe, "hd-progressive": suite_hd_progressive}
+TEXT_SUITES = ("hd", "hd-progressive", "moe")  # the suites that train on the text
 CLAIMS = HD_CLAIMS + tah_claims(TAH, "TaH, lookups") + MOE_CLAIMS + tah_claims(TAH_ADD, "TaH, addition")
 
 
@@ -668,7 +705,7 @@ def check_args(args, names):
         return "--rehearse runs every suite of the large preset; give it without --smoke, --preset or --suite"
     if not args.out.strip() or not is_utf8(args.out) or (args.data and not is_utf8(args.data)):
         return "--out must name a folder, and --out and --data must be UTF-8 paths"
-    if args.data and not any(s in ("hd", "moe") for s in names):
+    if args.data and not set(TEXT_SUITES) & set(names):
         return "--data feeds the hd and moe suites only; this run has neither"
     for k in ("accum", "log_every", "ckpt_every", "threads"):
         if getattr(args, k) < 1:
@@ -697,7 +734,7 @@ def is_utf8(path):
 def check_batches(P, names, accum):
     """Every suite's global batch splits into ranks x micro-steps: checked before the first step."""
     for name, batch in (("batch", P.batch), ("tah_batch", P.tah_batch)):
-        used = name == "batch" and any(s in ("hd", "moe") for s in names) or \
+        used = name == "batch" and bool(set(TEXT_SUITES) & set(names)) or \
             name == "tah_batch" and any(s.startswith("tah") for s in names)
         if used and batch % (WORLD * accum):
             return f"--{name} {batch} does not split into {WORLD} rank(s) x {accum} micro-step(s) (--accum)"
@@ -732,7 +769,7 @@ def run(args, argv):
         (out / stale).unlink(missing_ok=True)
     torch.set_float32_matmul_precision("high")
     torch.set_num_threads(args.threads)
-    text = load_text(args.data, P.plays, P.block, out) if {"hd", "moe"} & set(args.suites) else None
+    text = load_text(args.data, P.plays, P.block, out) if set(TEXT_SUITES) & set(args.suites) else None
     log(f"preset {args.preset_name}: {P}")
     if text is not None:
         log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}")
@@ -741,7 +778,7 @@ def run(args, argv):
     done = {(r["suite"], r["seed"]) for r in rows}
     t0 = time.time()
     todo = [(suite, seed) for suite in args.suites for seed in args.seeds if (suite, seed) not in done]
-    data = {"hd": text, "moe": text, "tah": Lookups(P.symbols, P.queries, P.two_hop), "tah-add": Arith(P.digits)}
+    data = {**dict.fromkeys(TEXT_SUITES, text), "tah": Lookups(P.symbols, P.queries, P.two_hop), "tah-add": Arith(P.digits)}
     PROGRESS.start(*planned(args, data, todo))
     for suite in args.suites:
         for seed in args.seeds:
