@@ -261,6 +261,8 @@ HD_CLAIMS = [
     Claim("HD n=2 beats n=1 (continued from one checkpoint)", HD_N, hd_cont_arm(2), hd_cont_arm(1), "loss", -1),
     Claim("HD n=4 beats n=1 (continued from one checkpoint)", HD_N, hd_cont_arm(4), hd_cont_arm(1), "loss", -1),
     Claim("HD gain grows with n: n=4 beats n=2", HD_N, hd_cont_arm(4), hd_cont_arm(2), "loss", -1),
+]
+HD_PROG_CLAIMS = [
     Claim("HD progressive: n=2 beats n=1 after stage 1", HD_PROG, prog_arm(2, 1), prog_arm(1, 1), "loss", -1),
     Claim("HD progressive: n=4 (from n=2) beats n=1 after stage 2", HD_PROG, prog_arm(4, 2), prog_arm(1, 2), "loss", -1),
     Claim("HD progressive: gain grows with n: n=4 beats n=2 after stage 2", HD_PROG, prog_arm(4, 2), prog_arm(2, 2),
@@ -562,7 +564,7 @@ MOE_CLAIMS = [
 
 SUITES = {"hd": suite_hd, "tah": suite_tah, "tah-add": suite_tah_add, "moe": suite_moe, "hd-progressive": suite_hd_progressive}
 TEXT_SUITES = ("hd", "hd-progressive", "moe")  # the suites that train on the text
-CLAIMS = HD_CLAIMS + tah_claims(TAH, "TaH, lookups") + MOE_CLAIMS + tah_claims(TAH_ADD, "TaH, addition")
+CLAIMS = HD_CLAIMS + HD_PROG_CLAIMS + tah_claims(TAH, "TaH, lookups") + MOE_CLAIMS + tah_claims(TAH_ADD, "TaH, addition")
 
 
 def planned(args, data, todo):
@@ -643,7 +645,8 @@ def parser():
          help="headline: the HD and TaH demonstrations; all: every suite with every ablation arm (hd, tah, "
               "moe, tah-add); or a comma list of " + ",".join(SUITES))
     flag(ap, "preset", choices=sorted(PRESETS),
-         help="default: the measured protocol, on any device; large: wider and longer for a GPU, not yet measured")
+         help="the budget: default (when not given) is the measured protocol, on any device; large is wider and "
+              "longer, for a GPU, and not yet measured%(default).0s")
     flag(ap, "smoke", action="store_true", help="every suite's code path, tiny and fast (its own preset)")
     flag(ap, "rehearse", action="store_true",
          help="the large preset's every arm at its full shapes, 2 steps each, here (bf16 autocast on CPU): "
