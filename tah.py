@@ -162,8 +162,8 @@ def add_lora(module, rank, alpha):
 
 @dataclass
 class DeciderInput:
-    """What the decider reads about each state (§4.2): the output states of the blocks in
-    cfg.decider_states, (..., C) each, and the top-k values of the running summed logits."""
+    """What the decider reads about each state (§4.2): the hidden states cfg.decider_states
+    names (see TaHConfig.decider_layers), (..., C) each, and the top-k running summed logits."""
     states: list
     topk_values: torch.Tensor
 
