@@ -556,7 +556,7 @@ def test_damaged_rows_file_orphaned_temporaries_and_fresh(tmp_path):
             tt.main(argv)
     (run / "rows.json").write_text(good)
     other = tmp_path / "other"
-    tt.main(argv[:-1] + [str(other), "--tah_sft_lr=0.002"])  # another configuration's finished rows, copied in
+    tt.main(argv[:-1] + [str(other), "--tah_sft_lr=0.003"])  # another configuration's finished rows, copied in
     (run / "rows.json").write_text(next(other.glob("run-*/rows.json")).read_text())
     with pytest.raises(SystemExit, match="holds the rows of run .*, not of this run"):
         tt.main(argv)

@@ -70,7 +70,7 @@ class Preset:
     lr: float = 3e-3
     warmup: int = 20
     hd_base_iters: int = 150  # HD: the n=1 backbone every arm continues from
-    hd_cont_iters: int = 80  # HD: steps every arm continues from the n=1 checkpoint
+    hd_cont_iters: int = 160  # HD: steps every arm continues from the n=1 checkpoint
     # TaH: in-context lookups (Lookups) on tah_layers; addition (Arith, --suite all) on add_layers
     symbols: int = 8
     queries: int = 5
@@ -83,7 +83,7 @@ class Preset:
     tah_base_iters: int = 500  # the "base" model every TaH arm starts from
     tah_base_lr: float = 2e-3
     tah_sft_iters: int = 400  # Standard, AlwaysThink and TaH stage 1, each from the base
-    tah_sft_lr: float = 1e-3
+    tah_sft_lr: float = 2e-3
     decider_iters: int = 400  # TaH stage 2
     decider_lr: float = 3e-3
     tah_eval_batches: int = 10
