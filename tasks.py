@@ -219,15 +219,19 @@ class Lookups:
     """In-context lookups, the TaH suite's task (see suite_tah for why it has TaH's premise).
     A problem lists the `symbols` pairs (a, f(a)) of a random cyclic permutation f over all the
     symbols, one token per pair, in random order; then `queries` queries, each one token naming a
-    symbol x and a hop count h (2 with probability `two_hop`, else 1), followed by its answer
-    f^h(x); then ';'. Only answers are targets. One pass of a one-layer model can follow one
-    link (attend to the pair whose source is x); a second hop needs the first hop's result,
-    which TaH's second pass gets as its input (Eq. 4)."""
+    symbol x and a hop count h (3 with probability `three_hop`, 2 with probability `two_hop`,
+    else 1), followed by its answer f^h(x); then ';'. Only answers are targets. One pass of a
+    one-layer model can follow one link (attend to the pair whose source is x); a second hop
+    needs the first hop's result, which TaH's second pass gets as its input (Eq. 4), and a third
+    hop a third pass (TaH-3)."""
 
-    def __init__(self, symbols, queries, two_hop):
+    def __init__(self, symbols, queries, two_hop, three_hop=0.0):
         S = self.symbols = symbols
-        self.queries, self.two_hop = queries, two_hop
-        self.query0, self.answer0, self.sep = S * S, S * S + 2 * S, S * S + 3 * S  # first id of each kind
+        self.queries, self.two_hop, self.three_hop = queries, two_hop, three_hop
+        self.max_hops = 3 if three_hop > 0 else 2  # query ids: one per (symbol, hop count)
+        self.query0 = S * S  # first id of each kind: pairs, queries, answers, ';'
+        self.answer0 = self.query0 + self.max_hops * S
+        self.sep = self.answer0 + S
         self.vocab_size = self.sep + 1
         self.problem_len = S + 2 * queries + 1
         self.answers = queries  # targets per problem
@@ -247,9 +251,11 @@ class Lookups:
         src = cycle.gather(1, order)
         pairs = self.pair(src, f.gather(1, src))
         x = torch.randint(S, (n, Q), generator=gen)
-        hops = 1 + (torch.rand(n, Q, generator=gen) < self.two_hop).long()
-        y = f.gather(1, x)
-        y = torch.where(hops == 2, f.gather(1, y), y)
+        u = torch.rand(n, Q, generator=gen)
+        hops = 1 + (u < self.two_hop + self.three_hop).long() + (u < self.three_hop).long()
+        y = x
+        for h in range(self.max_hops):  # y = f^hops(x)
+            y = torch.where(hops > h, f.gather(1, y), y)
         qa = torch.stack([self.query(x, hops), self.answer0 + y], 2).flatten(1)
         return torch.cat([pairs, qa, torch.full((n, 1), self.sep)], 1)
 
@@ -260,6 +266,11 @@ class Lookups:
         is_query = (x >= self.query0) & (x < self.answer0)
         y[~is_query] = -1
         return x, y
+
+    def hops(self, x):
+        """The hop count a query token asks for; 0 at every other token."""
+        is_query = (x >= self.query0) & (x < self.answer0)
+        return torch.where(is_query, (x - self.query0) // self.symbols + 1, 0)
 
     def response(self, x):
         """Positions whose input token is in the response (queries and answers): the only

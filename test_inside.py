@@ -1,0 +1,153 @@
+"""Tests of the probes (inside.py), each on a model or pattern whose answer is known, or against
+a loop over the definition."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import moe
+from hd import HDConfig, HiddenDecoding
+from inside import (OUTCOMES, entropy, head_probes, iteration_outcomes, recording_attention,
+                    stream_cosine, stream_mass, stream_states)
+from moe import attend
+
+FAST = settings(max_examples=20, deadline=None)
+
+
+def hd_model(n=2, layout="IFLI", **kw):
+    cfg = HDConfig(vocab_size=37, block_size=16, n_layer=len(layout), layout=layout, n_embd=32, n_head=4,
+                   n_kv_head=2, head_dim=8, n_experts=4, top_k=2, expert_hidden=16, ffn_hidden=32, n_streams=n,
+                   window=3, **kw)
+    return HiddenDecoding(cfg).eval()
+
+
+def identity_backbone(model):
+    """Every block adds nothing to the residual: attention and FFN outputs zeroed."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down.weight", "w_down")):
+                p.zero_()
+    return model
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_identical_tables_and_identity_backbone_give_same_token_cosine_one(n):
+    torch.manual_seed(n)
+    model = identity_backbone(hd_model(n))
+    with torch.no_grad():
+        for t in model.tables[1:]:
+            t.weight.copy_(model.tables[0].weight)
+    idx = torch.randint(37, (2, 9))
+    states, _ = stream_states(model, idx)
+    assert states.shape == (model.cfg.n_layer + 1, 2, 9, n, 32)
+    same, diff = stream_cosine(states)
+    torch.testing.assert_close(same, torch.ones_like(same))
+    assert (diff < 1 - 1e-3).all()  # different tokens' embeddings differ
+
+
+@FAST
+@given(st.integers(2, 4), st.integers(2, 7), st.integers(0, 2**31 - 1))
+def test_stream_cosine_matches_a_loop(n, L, seed):
+    g = torch.Generator().manual_seed(seed)
+    states = torch.randn(3, 2, L, n, 5, generator=g)
+    same, diff = stream_cosine(states)
+    cos = lambda a, b: (a @ b / (a.norm() * b.norm())).item()
+    for layer in range(3):
+        s_vals, d_vals = [], []
+        for b in range(2):
+            for i in range(L):
+                for a in range(n):
+                    for c in range(a + 1, n):
+                        s_vals.append(cos(states[layer, b, i, a], states[layer, b, i, c]))
+                        d_vals.append(cos(states[layer, b, i, a], states[layer, b, (i - L // 2) % L, c]))
+        assert same[layer].item() == pytest.approx(sum(s_vals) / len(s_vals), abs=1e-5)
+        assert diff[layer].item() == pytest.approx(sum(d_vals) / len(d_vals), abs=1e-5)
+
+
+@FAST
+@given(st.integers(1, 4), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_stream_mass_gives_back_the_mass_that_was_set(n, L, seed):
+    """Each final-stream query spreads a chosen mass m_k over stream k's keys (any split over
+    tokens); stream_mass returns m."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(n, generator=g) + 0.01
+    m = m / m.sum()
+    w = torch.rand(2, 3, L * n, L * n, generator=g)  # other queries' rows: anything
+    for q in range(n - 1, L * n, n):
+        split = torch.rand(L, n, generator=g)
+        split = split / split.sum(0)  # per stream, a split over the L tokens
+        w[:, :, q] = (split * m).flatten()  # key t = i*n + k gets m_k * split[i, k]
+    torch.testing.assert_close(stream_mass(w, n), m)
+
+
+def test_recorded_attention_reproduces_each_layer_output():
+    """The recorded weights times V give what attention returned, for every mask form attend
+    takes (causal, boolean, GQA): the probe reads the attention the model ran."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    vv = v.repeat_interleave(2, dim=1)
+    band = torch.ones(6, 6, dtype=torch.bool).tril() & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)
+    for mask in ("causal", band, None):
+        with recording_attention() as calls:
+            y = moe.attend(q, k, v, mask)
+        torch.testing.assert_close(calls[0] @ vv, y, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(calls[0].sum(-1), torch.ones(2, 4, 6))
+    assert moe.attend is attend  # put back after the block
+
+
+def test_hd_final_stream_mass_sums_to_one_and_intra_layers_read_their_own_stream():
+    torch.manual_seed(1)
+    n, model = 3, hd_model(3, layout="IFLI")
+    _, weights = stream_states(model, torch.randint(37, (2, 7)))
+    assert len(weights) == model.cfg.n_layer
+    for w in weights:
+        torch.testing.assert_close(stream_mass(w, n).sum(), torch.tensor(1.0))
+    torch.testing.assert_close(stream_mass(weights[0], n), torch.tensor([0.0, 0.0, 1.0]))  # I: own stream only
+
+
+def test_one_hot_head_gives_entropy_zero_and_every_stream_agrees():
+    """Identity backbone, every embedding row the same vector e, LM head row 5 = 50 e: every
+    stream's logits are one-hot at token 5 (entropy 0), so every stream's top-1 agrees."""
+    torch.manual_seed(2)
+    n, model = 4, identity_backbone(hd_model(4))
+    e = torch.randn(32)
+    with torch.no_grad():
+        for t in model.tables:
+            t.weight.copy_(e.expand_as(t.weight))
+        model.backbone.lm_head.weight.zero_()
+        model.backbone.lm_head.weight[5] = 50 * e / e.norm()
+    states, _ = stream_states(model, torch.randint(37, (2, 6)))
+    differs, ent, probs = head_probes(model, states[-1])
+    torch.testing.assert_close(ent, torch.zeros(n), atol=1e-6, rtol=0)
+    torch.testing.assert_close(differs, torch.zeros(n))
+    assert (probs.argmax(-1) == 5).all()
+
+
+@FAST
+@given(st.integers(2, 50), st.integers(0, 2**31 - 1))
+def test_entropy_matches_the_definition(V, seed):
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(seed)) * 3
+    for row, h in zip(logits, entropy(logits)):
+        p = [math.exp(x) for x in row.tolist()]
+        p = [x / sum(p) for x in p]
+        assert h.item() == pytest.approx(-sum(x * math.log(x) for x in p if x > 0), abs=1e-4)
+    assert entropy(torch.tensor([0.0, 0.0, 0.0, 0.0])).item() == pytest.approx(math.log(4))
+
+
+@FAST
+@given(st.integers(1, 40), st.integers(0, 2**31 - 1))
+def test_iteration_outcomes_match_a_loop(T, seed):
+    g = torch.Generator().manual_seed(seed)
+    target, before, after = (torch.randint(3, (T,), generator=g) for _ in range(3))
+    went, kind = torch.rand(T, generator=g) < 0.6, torch.randint(3, (T,), generator=g)
+    got = iteration_outcomes(before, after, target, went, kind)
+    want = {}
+    for t in range(T):
+        if went[t]:
+            b, a = before[t] == target[t], after[t] == target[t]
+            name = {(False, True): OUTCOMES[0], (True, False): OUTCOMES[1], (False, False): OUTCOMES[2],
+                    (True, True): OUTCOMES[3]}[(bool(b), bool(a))]
+            want.setdefault(int(kind[t]), dict.fromkeys(OUTCOMES, 0))[name] += 1
+    assert got == want
