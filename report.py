@@ -100,8 +100,14 @@ def summarize(rows):
     return sorted(out, key=lambda s: order[s["effect"]])  # stable: arms keep their order
 
 
+def is_count(metric):
+    """Metrics that count tokens (revisions against Standard, a pass's outcomes) print as whole
+    numbers, without a difference to the first arm."""
+    return "vs Standard" in metric or "->" in metric or metric == "corrected - corrupted"
+
+
 def fmt(metric, x):
-    return f"{x:.0f}" if "vs Standard" in metric else f"{x:.4f}"
+    return f"{x:.0f}" if is_count(metric) else f"{x:.4f}"
 
 
 def table(summary, verdicts, header):
@@ -124,7 +130,7 @@ def table(summary, verdicts, header):
                     row.append("")
                     continue
                 cell = f"{fmt(m, s['mean'])} ± {fmt(m, s['std'])}"
-                if "delta_mean" in s and "vs Standard" not in m:
+                if "delta_mean" in s and not is_count(m):
                     cell += f" (Δ {s['delta_mean']:+.4f} ± {s['delta_std']:.4f})"
                 row.append(cell)
             lines.append(f"| {arm} | " + " | ".join(row) + " |")
@@ -195,6 +201,84 @@ def plot_sweep(summary, out_dir, eval_set, effects, ends):
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = out_dir / "tah_tradeoff.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_trace(trace, names, threshold, path):
+    """One TaH forward drawn (TaH Figs. 5 and 7): per token, the decider's probability of going
+    on after the first pass (bars, dark where the token ran a second pass), the threshold; below,
+    the second pass's attention (mean over heads) of each token that went on over every
+    (position, depth) key."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    T = len(names)
+    deep = "weights" in trace
+    fig, axes = plt.subplots(2 if deep else 1, 1, figsize=(max(8, 0.45 * T), 7 if deep else 3.5), squeeze=False)
+    ax = axes[0][0]
+    colors = ["tab:red" if d > 1 else "tab:gray" for d in trace["passes"].tolist()]
+    ax.bar(range(T), trace["go"].tolist(), color=colors)
+    ax.axhline(threshold, ls="--", c="k", lw=1, label=f"threshold {threshold} (red: went on)")
+    ax.set_xticks(range(T), names, rotation=90, fontsize=8)
+    ax.set_ylabel("p(go on) after pass 1")
+    ax.legend(fontsize=7)
+    if deep:
+        ax = axes[1][0]
+        w = trace["weights"].float().cpu().numpy()
+        keys = [f"{p}.{d}" for p, d in zip(trace["key_pos"].tolist(), trace["key_depth"].tolist())]
+        ax.imshow(w, aspect="auto", cmap="viridis")
+        ax.set_xticks(range(len(keys)), [f"{names[int(k.split('.')[0])]} {k}" for k in keys], rotation=90,
+                      fontsize=7)
+        ax.set_yticks(range(w.shape[0]), [f"{names[q]} ({q}.1)" for q in trace["query_pos"].tolist()], fontsize=8)
+        ax.set_xlabel("key: token, position.depth (depth 1 = the second pass)")
+        ax.set_title("second pass: attention of each token that went on (duo-causal, mean over heads)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_streams(summary, out_dir, cosine, mass, head):
+    """HD's streams (HD Figs. 6 and 7) from the rows: cosine of two streams per layer, same token
+    and different tokens, one line each per n (effects `cosine`, n -> effect name); the final
+    stream's attention mass per stream in each cross-stream layer (the largest n, `mass`); each
+    stream's entropy (`head`)."""
+    plt = pyplot()
+    means = {(s["effect"], s["arm"], s["metric"]): s["mean"] for s in summary}
+    ran = [n for n in cosine if any(k[0] == cosine[n] for k in means)]
+    if plt is None or not ran:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for n in ran:
+        for arm, ls in (("same token", "-"), ("different tokens", ":")):
+            pts = [(m, v) for (e, a, m), v in means.items() if e == cosine[n] and a == arm and m != "where the gap is least"]
+            axes[0].plot([m for m, _ in pts], [v for _, v in pts], ls, marker="o", label=f"n={n}, {arm}")
+    axes[0].set_ylabel("mean cosine of two streams")
+    axes[0].set_title("(a) streams of one token vs of different tokens", fontsize=9)
+    n = max(ran)
+    layers = list(dict.fromkeys(a for (e, a, m) in means if e == mass[n]))
+    streams = list(dict.fromkeys(m for (e, a, m) in means if e == mass[n]))
+    width = 0.8 / max(1, len(layers))
+    for j, layer in enumerate(layers):
+        axes[1].bar([k + j * width for k in range(len(streams))], [means[(mass[n], layer, m)] for m in streams],
+                    width, label=layer)
+    axes[1].set_xticks([k + 0.4 - width / 2 for k in range(len(streams))], streams, fontsize=8)
+    axes[1].set_ylabel("attention mass of final-stream queries")
+    axes[1].set_title(f"(b) n={n}: what the final stream reads", fontsize=9)
+    for n in ran:
+        arms = [a for (e, a, m) in means if e == head[n] and m == "entropy (bits)" and a.startswith("stream")]
+        axes[2].plot(range(len(arms)), [means[(head[n], a, "entropy (bits)")] for a in arms], marker="o", label=f"n={n}")
+    axes[2].ticklabel_format(axis="y", useOffset=False)
+    axes[2].set_xlabel("stream (the last is the final stream)")
+    axes[2].set_ylabel("LM-head entropy (bits)")
+    axes[2].set_title("(c) the shared head read off each stream", fontsize=9)
+    for ax in axes:
+        ax.legend(fontsize=7)
+    axes[0].tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    path = out_dir / "hd_streams.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -267,6 +267,15 @@ class Lookups:
         y[~is_query] = -1
         return x, y
 
+    def describe(self, token):
+        """A token as text: pair "a>b", query "c?2" (symbol c, 2 hops), answer "=d", ";"."""
+        S, name = self.symbols, lambda k: "abcdefghijklmnopqrstuvwxyz"[k] if k < 26 else f"s{k}"
+        if token < self.query0:
+            return f"{name(token // S)}>{name(token % S)}"
+        if token < self.answer0:
+            return f"{name((token - self.query0) % S)}?{(token - self.query0) // S + 1}"
+        return f"={name(token - self.answer0)}" if token < self.sep else ";"
+
     def hops(self, x):
         """The hop count a query token asks for; 0 at every other token."""
         is_query = (x >= self.query0) & (x < self.answer0)

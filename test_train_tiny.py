@@ -80,12 +80,13 @@ def test_shakespeare_comes_from_the_package_with_a_checked_tokenizer(tmp_path):
 
 
 @settings(max_examples=25, deadline=None)
-@given(S=st.integers(3, 9), Q=st.integers(1, 6), two_hop=st.floats(0.0, 0.99), seed=st.integers(0, 10_000),
-       T=st.integers(4, 90))
-def test_lookup_answers_are_a_walk_of_the_listed_pairs(S, Q, two_hop, seed, T):
-    task = tt.Lookups(S, Q, two_hop)
+@given(S=st.integers(3, 9), Q=st.integers(1, 6), two_hop=st.floats(0.0, 0.6), three_hop=st.sampled_from([0.0, 0.2, 0.39]),
+       seed=st.integers(0, 10_000), T=st.integers(4, 90))
+def test_lookup_answers_are_a_walk_of_the_listed_pairs(S, Q, two_hop, three_hop, seed, T):
+    task = tt.Lookups(S, Q, two_hop, three_hop)
+    H = 3 if three_hop else 2  # hop counts the query ids cover
     x, y = task.batch("train", 3, T, torch.Generator().manual_seed(seed))
-    assert x.shape == y.shape == (3, T) and x.max() < task.vocab_size
+    assert x.shape == y.shape == (3, T) and x.max() < task.vocab_size == S * S + (H + 1) * S + 1
     L = S + 2 * Q + 1  # S pairs, Q (query, answer), ';'
     for b in range(3):
         want = [-1] * T
@@ -104,16 +105,39 @@ def test_lookup_answers_are_a_walk_of_the_listed_pairs(S, Q, two_hop, seed, T):
                 t = k * L + S + 2 * j
                 if t >= T:
                     break
-                extra, sym = divmod(x[b, t].item() - S * S, S)  # ids S*S..: "x, 1 hop" then "x, 2 hops"
-                assert extra in (0, 1)
+                extra, sym = divmod(x[b, t].item() - S * S, S)  # ids S*S..: "x, 1 hop", "x, 2 hops", ...
+                assert extra in range(H)
+                assert task.hops(x[b, t]).item() == 1 + extra
+                assert task.describe(x[b, t].item()) == f"{'abcdefghi'[sym]}?{1 + extra}"
                 for _ in range(1 + extra):  # walk the pairs listed before the query
                     sym = f[sym]
-                want[t] = S * S + 2 * S + sym  # the answer token of sym
+                want[t] = S * S + H * S + sym  # the answer token of sym
                 if t + 1 < T:
                     assert x[b, t + 1].item() == want[t]
             if (k + 1) * L - 1 < T:
-                assert x[b, (k + 1) * L - 1].item() == S * S + 3 * S  # ';'
+                assert x[b, (k + 1) * L - 1].item() == S * S + (H + 1) * S  # ';'
         assert y[b].tolist() == want
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_tah3_oracle_bins_each_problems_hard_answers_by_reference_ce(seed):
+    """The TaH-3 suite's oracle on its own task: per sample (a row of whole problems), the
+    reference's wrong answers sorted by its CE, the higher half 3 passes, the rest 2 (the larger
+    bin first); every other position 1 pass. Brute force over the rows."""
+    torch.manual_seed(seed)
+    task = tt.Lookups(6, 4, 0.3, 0.3)
+    x, y = task.batch("train", 3, 3 * task.problem_len, torch.Generator().manual_seed(seed))
+    ref = tt.ThinkAtHard(tt.tah_config(tt.PRESETS["default"], task, 1)).eval()
+    got = tt.Oracle(ref, 3, task)(x, y)
+    logits = ref(x, mode="standard").logits.detach()
+    for b in range(3):
+        hard = [t for t in range(x.size(1)) if y[b, t] >= 0 and logits[b, t].argmax() != y[b, t]]
+        ce = {t: -torch.log_softmax(logits[b, t], -1)[y[b, t]].item() for t in hard}
+        order = sorted(hard, key=lambda t: -ce[t])
+        deep = (len(order) + 1) // 2
+        want = [3 if t in order[:deep] else 2 if t in order[deep:] else 1 for t in range(x.size(1))]
+        assert got[b].tolist() == want
 
 
 @settings(max_examples=25, deadline=None)

@@ -34,8 +34,10 @@ import torch
 import torch.distributed as dist
 
 from hd import HDConfig, HiddenDecoding, expand_streams
+from inside import OUTCOMES, head_probes, iteration_outcomes, stream_cosine, stream_mass, stream_states, tah_trace
 from moe import ModelConfig, Transformer
-from report import RULE, Claim, Effect, judge, plot, plot_sweep, summarize, table
+from report import (RULE, Claim, Effect, judge, plot, plot_streams, plot_sweep, plot_trace,
+                    summarize, table)
 from tah import TaHConfig, ThinkAtHard, oracle_depths
 from tasks import Arith, Lookups, atomic, load_text
 from trainer import (DDP, MASTER, PROGRESS, WORLD, batch_gen, evaluate, finite_loss, load_checkpoint, log, probing,
@@ -75,6 +77,7 @@ class Preset:
     symbols: int = 8
     queries: int = 5
     two_hop: float = 0.3
+    three_hop: float = 0.2  # --suite tah3 (TaH-3 vs TaH-2): the share of three-hop queries
     tah_layers: int = 1
     tah_ffn_hidden: int = 48  # narrow: one pass cannot decode two hops from the bag of listed pairs
     digits: int = 4
@@ -201,6 +204,10 @@ def suite_hd(P, args, seed, data, every_arm):
         rows += result_rows(HD_N, hd_cont_arm(n), seed, r)
         if n == 2:
             headline_n2 = r
+        if n in HD_INSIDE:  # the probes of HD §5.2-5.3 (seconds)
+            rows += hd_inside_rows(model, data, P, args, seed)
+            if n == max(HD_INSIDE) and seed == args.seeds[0]:
+                save_inside(args, "hd_line.md", hd_line(model, data, args))
     if every_arm:
         for effect, arm, overrides in hd_continued_ablation_arms(P):
             if overrides is None:
@@ -268,6 +275,99 @@ HD_PROG_CLAIMS = [
     Claim("HD progressive: gain grows with n: n=4 beats n=2 after stage 2", HD_PROG, prog_arm(4, 2), prog_arm(2, 2),
           "loss", -1),
 ]
+
+
+# HD inside (HD §5.2-5.3): the probes of inside.py on the n=2 and n=4 models just trained
+
+INSIDE_WINDOWS = 32  # held-out windows (of P.block tokens) the HD probes read
+
+
+def hd_inside_effects(n):
+    return (Effect(f"HD n={n} inside: cosine of two streams, same token vs different tokens, per layer",
+                   "Qwen3-8B HD n=8: same token 0.987 at the input, 0.637 in the middle layers, 0.783 at the "
+                   "output, above the different-token baseline (HD Fig. 6a)"),
+            Effect(f"HD n={n} inside: the final stream's attention mass on each stream (F and L layers)",
+                   "n=8: the final stream reads the others, stream 0 up to 0.52 (HD Fig. 6b)"),
+            Effect(f"HD n={n} inside: the shared LM head read off every stream",
+                   "n=8: an intermediate stream's top-1 differs from the final stream's in up to 63% of positions; "
+                   "the final stream has the lowest entropy, 2.09 bits at n=8 (HD Fig. 7)"))
+
+
+HD_INSIDE = {n: hd_inside_effects(n) for n in (2, 4)}
+SAME, DIFFERENT, LEAST_GAP = "same token", "different tokens", "where the gap is least"
+LOWEST_OTHER, DIFFERS, BITS = "lowest-entropy other stream", "top-1 differs from the final stream's", "entropy (bits)"
+
+
+def stream_name(k, n):
+    return f"stream {k}" + (" (final)" if k == n - 1 else "")
+
+
+def state_name(l):
+    return "input" if l == 0 else f"block {l}"  # states[l]: the embedding, then block l's output
+
+
+@torch.no_grad()
+def hd_inside_rows(model, data, P, args, seed):
+    """The HD probes on the first INSIDE_WINDOWS held-out windows (means over batches of them)."""
+    n, layout = model.cfg.n_streams, model.cfg.layout
+    cos_fx, mass_fx, head_fx = HD_INSIDE[n]
+    xs = data.windows(args.eval_split, P.block)[0][:P.batch if probing(args) else INSIDE_WINDOWS]
+    cross = [l for l, kind in enumerate(layout) if kind in "FL"]
+    parts = []
+    for i in range(0, len(xs), P.batch):
+        states, weights = stream_states(model, xs[i:i + P.batch].to(args.device))
+        differs, bits, _ = head_probes(model, states[-1])
+        mass = torch.stack([stream_mass(weights[l], n) for l in cross]) if cross else torch.zeros(0, n)
+        parts.append((*stream_cosine(states), mass, differs, bits))
+    same, diff, mass, differs, bits = (torch.stack(p).mean(0).tolist() for p in zip(*parts))
+    least = min(range(len(same)), key=lambda l: same[l] - diff[l])  # "above at every layer" = above here
+    rows = []
+    for arm, cos in ((DIFFERENT, diff), (SAME, same)):
+        rows += result_rows(cos_fx, arm, seed, {**{state_name(l): c for l, c in enumerate(cos)}, LEAST_GAP: cos[least]})
+    for j, l in enumerate(cross):
+        rows += result_rows(mass_fx, f"block {l + 1} ({layout[l]})", seed,
+                            {f"on {stream_name(k, n)}": m for k, m in enumerate(mass[j])})
+    for k in range(n):
+        rows += result_rows(head_fx, stream_name(k, n), seed, {DIFFERS: differs[k], BITS: bits[k]})
+    return rows + result_rows(head_fx, LOWEST_OTHER, seed, {BITS: min(bits[:-1])})
+
+
+def cell(text):
+    """A token as a markdown table cell."""
+    return "`" + text.replace("\n", "⏎").replace("|", "\\|").replace("`", "'") + "`"
+
+
+@torch.no_grad()
+def hd_line(model, data, args, most=12):
+    """HD Fig. 8 on held-out text: each stream's top-1 token and its probability at every position
+    of the first whole line (up to `most` tokens) of the first held-out window, as markdown."""
+    x = data.windows(args.eval_split, model.cfg.block_size)[0][0]
+    text = [data.decode([t]) for t in x.tolist()]
+    ends = [i for i, t in enumerate(text) if "\n" in t]
+    a, b = next(((a + 1, b) for a, b in zip(ends, ends[1:]) if b - a > 4), (0, len(text) - 1))
+    states, _ = stream_states(model, x[None].to(args.device))
+    probs = head_probes(model, states[-1])[2][0]  # (T, n, V)
+    p, top = probs.max(-1)
+    n = model.cfg.n_streams
+    lines = [f"| input | next | " + " | ".join(stream_name(k, n) for k in range(n)) + " |", "|---" * (n + 2) + "|"]
+    for i in range(a, min(b, a + most)):
+        tops = " | ".join(f"{cell(data.decode([top[i, k].item()]))} {p[i, k].item():.2f}" for k in range(n))
+        lines.append(f"| {cell(text[i])} | {cell(text[i + 1])} | {tops} |")
+    return "\n".join(lines)
+
+
+def save_inside(args, name, text):
+    """An analysis of the first seed's models, kept with the run (the report copies it out)."""
+    if MASTER:
+        (args.run_dir / "inside").mkdir(exist_ok=True)
+        atomic(args.run_dir / "inside" / name, lambda f: f.write(text.encode()))
+
+
+HD_INSIDE_CLAIMS = [c for n in (2, 4) for c in (
+    Claim(f"HD n={n} inside: a token's streams are more alike than different tokens' at every layer",
+          HD_INSIDE[n][0], SAME, DIFFERENT, LEAST_GAP, +1),
+    Claim(f"HD n={n} inside: the final stream has the lowest entropy", HD_INSIDE[n][2], stream_name(n - 1, n),
+          LOWEST_OTHER, BITS, -1))]
 
 
 # -----------------------------------------------------------------------------
@@ -369,13 +469,16 @@ def tah_protocol(P, args, seed, data, every_arm, tag, fx, n_layer):
     oracle = Oracle(copy.deepcopy(models["standard"]).eval().requires_grad_(False), cfg.max_depth, data)
     always_loss = lambda m, x, y: m(x, y, mode="always").loss
     train(f"{tag}/AlwaysThink", models["always"], always_loss, data, sft_P, args, seed, **later)
-    stage1 = lambda m, x, y: m.stage1_loss(x, y, oracle(x, y))
-    train(f"{tag}/TaH stage 1", models["tah"], stage1, data, sft_P, args, seed, **later)
-    models["tah"].requires_grad_(False).decider.requires_grad_(True)  # stage 2: only the decider learns
-    train(f"{tag}/TaH stage 2 (decider)", models["tah"], lambda m, x, y: m.stage2_loss(x, oracle(x, y))[0],
-          data, stage2_P, args, seed, first_batch=base_P.iters + sft_P.iters)
+    stage1 = train_tah(f"{tag}/TaH", models["tah"], oracle, data, (base_P, sft_P, stage2_P), args, seed)
     ev = lambda m, mode, thr=None: tah_eval(m, data, base_P, args, mode, oracle, thr)
     rows = tah_routing_rows(fx, models, ev, seed)
+    if isinstance(data, Lookups):  # what the second pass does (TaH Figs. 5, 7)
+        rows += tah_inside_rows(models["tah"], data, base_P, args, seed)
+        if seed == args.seeds[0]:
+            md, trace, names = tah_problem(models["tah"], data, base_P, args)
+            save_inside(args, "tah_problem.md", md)
+            if MASTER:
+                plot_trace(trace, names, models["tah"].cfg.threshold, args.run_dir / "inside" / "tah_problem.png")
     if every_arm:
         for attention in TAH_ATTENTION_ABLATIONS:
             m = from_base(attention)
@@ -384,6 +487,19 @@ def tah_protocol(P, args, seed, data, every_arm, tag, fx, n_layer):
                 rows += result_rows(fx.attention, "duo-causal", seed, ev(models["tah"], "oracle")[0])
             rows += result_rows(fx.attention, attention.replace("_", "-"), seed, ev(m, "oracle")[0])
     return rows
+
+
+def train_tah(name, model, oracle, data, stages, args, seed):
+    """TaH's two stages (§4.3) from the base, on the batches after the base model's: stage 1
+    (backbone and LoRA, the oracle's depths), then stage 2 (the decider alone). Returns the
+    stage-1 loss (the ablations reuse it)."""
+    base_P, sft_P, stage2_P = stages
+    stage1 = lambda m, x, y: m.stage1_loss(x, y, oracle(x, y))
+    train(f"{name} stage 1", model, stage1, data, sft_P, args, seed, first_batch=base_P.iters)
+    model.requires_grad_(False).decider.requires_grad_(True)  # stage 2: only the decider learns
+    train(f"{name} stage 2 (decider)", model, lambda m, x, y: m.stage2_loss(x, oracle(x, y))[0],
+          data, stage2_P, args, seed, first_batch=base_P.iters + sft_P.iters)
+    return stage1
 
 
 class Oracle:
@@ -512,6 +628,135 @@ def tah_claims(fx, task):
     ]
 
 
+# TaH inside (TaH Figs. 5 and 7): the probes of inside.py on the lookups model just trained
+
+TAH_ITER = Effect("TaH inside: the tokens the decider sends on, top-1 after the first pass -> after the second "
+                  "(in-context lookups; counts over the evaluation batches)",
+                  "Qwen3-1.7B: the predictions of the tokens that think twice change across iterations (TaH Fig. 5)")
+KINDS = {0: "other tokens (target: the next token)", 1: "one-hop queries", 2: "two-hop queries", 3: "three-hop queries"}
+FIXES = "corrected - corrupted"
+
+
+@torch.no_grad()
+def tah_inside_rows(model, data, P, args, seed, threshold=None):
+    """For the tokens the decider sends on: their top-1 after the first pass and after the last,
+    against the next token, counted by query type (TaH Fig. 5), and the share of each type sent on."""
+    model.eval()
+    counts, totals = {}, {}
+    for k in range(1 if probing(args) else P.tah_eval_batches):
+        x, y = data.batch(args.eval_split, P.batch, P.block, batch_gen(args.eval_seed, k, args.eval_split))
+        x, y = x.to(args.device), y.to(args.device)
+        out = model(x, mode="decider", threshold=threshold)
+        nxt = torch.cat([x[:, 1:], y[:, -1:]], 1)  # the next token; the last position's only if it is a target
+        kind = data.hops(x)
+        for h, c in iteration_outcomes(out.first_logits.argmax(-1), out.logits.argmax(-1), nxt,
+                                       (out.depths > 1) & (nxt >= 0), kind).items():
+            counts[h] = {o: counts.get(h, {}).get(o, 0) + c[o] for o in OUTCOMES}
+        for h in kind[nxt >= 0].unique().tolist():
+            totals[h] = totals.get(h, 0) + int(((kind == h) & (nxt >= 0)).sum())
+    model.train()
+    rows = []
+    for h in sorted(totals):  # every kind in the data, sent on or not
+        c = counts.get(h, dict.fromkeys(OUTCOMES, 0))
+        rows += result_rows(TAH_ITER, KINDS[h], seed, {**c, FIXES: c[OUTCOMES[0]] - c[OUTCOMES[1]],
+                                                       "share of the kind sent on": sum(c.values()) / totals[h]})
+    return rows
+
+
+def tah_problem(model, data, P, args):
+    """The first held-out problem with a two-hop query, traced through the decider-routed model
+    (TaH Figs. 5 and 7): a markdown table of its tokens and a picture of its passes, scores and
+    the second pass's duo-causal attention."""
+    x, y = data.batch(args.eval_split, P.batch, P.block, batch_gen(args.eval_seed, 0, args.eval_split))
+    L = data.problem_len
+    problems = x[:, :x.size(1) // L * L].reshape(-1, L)
+    idx = problems[(data.hops(problems) == 2).any(1).nonzero()[0, 0]][None].to(args.device)
+    model.eval()
+    trace = tah_trace(model, idx)
+    model.train()
+    names = [data.describe(t) for t in idx[0].tolist()]
+    lines = ["| position | token | next | passes | p(go on) after pass 1 | top-1 after pass 1 | top-1 after the last |",
+             "|---|---|---|---|---|---|---|"]
+    for i, name in enumerate(names):
+        nxt = cell(names[i + 1]) if i + 1 < L else ""
+        lines.append(f"| {i} | {cell(name)} | {nxt} | {trace['passes'][i].item()} | {trace['go'][i].item():.3f} | "
+                     f"{cell(data.describe(trace['first'][i].item()))} | {cell(data.describe(trace['final'][i].item()))} |")
+    return "\n".join(lines), trace, names
+
+
+TAH_INSIDE_CLAIMS = [Claim("TaH inside: among the two-hop answers sent on, the second pass corrects more than it "
+                           "corrupts", TAH_ITER, KINDS[2], 0, FIXES, +1)]
+
+
+# TaH-3 vs TaH-2 (TaH App. A.2.1, Table 7): a third pass, for three-hop lookups
+
+TAH3 = Effect("TaH-3 vs TaH-2: lookups with one-, two- and three-hop queries (decider routing)",
+              "Qwen3-1.7B avg acc: Standard 47.8; TaH-2 52.8 (5.8% of tokens at 2 passes); TaH-3 53.6 (5.7% at 2, "
+              "0.2% at 3) (TaH Table 7)")
+TAH2_ARM, TAH3_ARM = "TaH-2 (max 2 passes)", "TaH-3 (max 3 passes)"
+DEEPER = "passes, three-hop minus two-hop"
+
+
+def suite_tah3(P, args, seed, data, every_arm):
+    """TaH-3 against TaH-2 on lookups with three-hop queries (a one-layer model follows one link
+    per pass, so a three-hop answer needs three). One base and one Standard fine-tune (the oracle's
+    reference), then from the base on the same batches: TaH-2 (hard tokens 2 passes) and TaH-3
+    (hard tokens binned per sample by the reference's CE into 2 and 3 passes, App. A.2.1), each
+    through stage 1 and stage 2."""
+    stages = tah_stages(P, data)
+    cfg = tah_config(P, data, P.tah_layers)
+    torch.manual_seed(seed)
+    base = ThinkAtHard(cfg).to(args.device)
+    std_loss = lambda m, x, y: m(x, y, mode="standard").loss
+    train("tah3/base", base, std_loss, data, stages[0], args, seed)
+    models = {}
+    for arm, depth in ((STANDARD, 1), (TAH2_ARM, 2), (TAH3_ARM, 3)):
+        models[arm] = ThinkAtHard(replace(cfg, max_depth=max(depth, 2))).to(args.device)
+        models[arm].load_state_dict(base.state_dict())
+        if depth == 1:
+            train("tah3/Standard", models[arm], std_loss, data, stages[1], args, seed, first_batch=stages[0].iters)
+            ref = copy.deepcopy(models[arm]).eval().requires_grad_(False)
+        else:
+            train_tah(f"tah3/{arm}", models[arm], Oracle(ref, depth, data), data, stages, args, seed)
+    return [r for arm, m in models.items()
+            for r in result_rows(TAH3, arm, seed, tah_by_hops(m, data, stages[0], args, arm != STANDARD))]
+
+
+@torch.no_grad()
+def tah_by_hops(model, data, P, args, decider):
+    """Answer accuracy and passes per query by hop count, and the share of all positions at 2 and
+    at 3 passes, over the evaluation batches (decider routing, or standard)."""
+    model.eval()
+    ok, passes, kinds, depths = [], [], [], []
+    for k in range(1 if probing(args) else P.tah_eval_batches):
+        x, y = data.batch(args.eval_split, P.batch, P.block, batch_gen(args.eval_seed, k, args.eval_split))
+        x, y = x.to(args.device), y.to(args.device)
+        out = model(x, y, mode="decider" if decider else "standard")
+        keep = y != -1
+        ok.append((out.logits.argmax(-1) == y)[keep])
+        passes.append(out.depths[keep])
+        kinds.append(data.hops(x)[keep])
+        depths.append(out.depths.flatten())
+    model.train()
+    ok, passes, kinds, depths = (torch.cat(v) for v in (ok, passes, kinds, depths))
+    r = {"acc": ok.float().mean().item()}
+    for h in range(1, data.max_hops + 1):
+        name = {1: "one", 2: "two", 3: "three"}[h]
+        r[f"acc, {name}-hop"] = ok[kinds == h].float().mean().item()
+        r[f"passes, {name}-hop"] = passes[kinds == h].float().mean().item()
+    if data.max_hops == 3:
+        r[DEEPER] = r["passes, three-hop"] - r["passes, two-hop"]
+    return {**r, "positions at 2 passes": (depths == 2).float().mean().item(),
+            "positions at 3 passes": (depths == 3).float().mean().item()}
+
+
+TAH3_CLAIMS = [
+    Claim("TaH-3 beats TaH-2 on three-hop answers", TAH3, TAH3_ARM, TAH2_ARM, "acc, three-hop", +1),
+    Claim("TaH-3 gives three-hop queries more passes than two-hop ones", TAH3, TAH3_ARM, 0, DEEPER, +1),
+    Claim("TaH-3 beats TaH-2 on all answers", TAH3, TAH3_ARM, TAH2_ARM, "acc", +1),
+]
+
+
 # -----------------------------------------------------------------------------
 # MoE: loss-free balancing (and, --suite all, KV-Mirror)
 
@@ -562,9 +807,11 @@ MOE_CLAIMS = [
 # Every suite, every claim
 
 
-SUITES = {"hd": suite_hd, "tah": suite_tah, "tah-add": suite_tah_add, "moe": suite_moe, "hd-progressive": suite_hd_progressive}
+SUITES = {"hd": suite_hd, "tah": suite_tah, "tah-add": suite_tah_add, "moe": suite_moe, "hd-progressive": suite_hd_progressive,
+          "tah3": suite_tah3}
 TEXT_SUITES = ("hd", "hd-progressive", "moe")  # the suites that train on the text
-CLAIMS = HD_CLAIMS + HD_PROG_CLAIMS + tah_claims(TAH, "TaH, lookups") + MOE_CLAIMS + tah_claims(TAH_ADD, "TaH, addition")
+CLAIMS = (HD_CLAIMS + HD_INSIDE_CLAIMS + HD_PROG_CLAIMS + tah_claims(TAH, "TaH, lookups") + TAH_INSIDE_CLAIMS + MOE_CLAIMS
+          + tah_claims(TAH_ADD, "TaH, addition") + TAH3_CLAIMS)
 
 
 def planned(args, data, todo):
@@ -618,8 +865,9 @@ def check_preset(P):
             return f"--{f.name} must be >= 1, got {v}"
         if isinstance(v, float) and not (math.isfinite(v) and v > 0):
             return f"--{f.name} must be a finite number > 0, got {v}"
-    if not P.two_hop < 1:
-        return f"--two_hop must be below 1 (some queries must be one-hop), got {P.two_hop}"
+    if not P.two_hop + P.three_hop < 1:
+        return (f"--two_hop + --three_hop must be below 1 (some queries must be one-hop), got {P.two_hop} + "
+                f"{P.three_hop}")
     if P.symbols < 3:
         return f"--symbols must be >= 3 (a cycle where two hops differ from one and from none), got {P.symbols}"
     if P.digits > 18:
@@ -632,7 +880,8 @@ def check_preset(P):
                     f"tokens): raise --block or lower --{name}")
     try:
         HDConfig(**backbone_cfg(P, 100, layout=P.layout, window=P.window, n_streams=4))
-        for task, layers in ((Lookups(P.symbols, P.queries, P.two_hop), P.tah_layers), (Arith(P.digits), P.add_layers)):
+        for task, layers in ((Lookups(P.symbols, P.queries, P.two_hop, P.three_hop), P.tah_layers),
+                             (Arith(P.digits), P.add_layers)):
             tah_config(P, task, layers)
     except ValueError as e:
         return f"this preset builds no valid model: {e}"
@@ -781,7 +1030,8 @@ def run(args, argv):
     done = {(r["suite"], r["seed"]) for r in rows}
     t0 = time.time()
     todo = [(suite, seed) for suite in args.suites for seed in args.seeds if (suite, seed) not in done]
-    data = {**dict.fromkeys(TEXT_SUITES, text), "tah": Lookups(P.symbols, P.queries, P.two_hop), "tah-add": Arith(P.digits)}
+    data = {**dict.fromkeys(TEXT_SUITES, text), "tah": Lookups(P.symbols, P.queries, P.two_hop), "tah-add": Arith(P.digits),
+            "tah3": Lookups(P.symbols, P.queries, P.two_hop, P.three_hop)}
     PROGRESS.start(*planned(args, data, todo))
     for suite in args.suites:
         for seed in args.seeds:
@@ -795,9 +1045,18 @@ def run(args, argv):
         report(rows, args, P, out, argv, time.time() - t0)
 
 
-RESULTS = ("results.md", "results.json", "loss_curves.png", "tah_tradeoff.png")
+RESULTS = ("results.md", "results.json", "loss_curves.png", "tah_tradeoff.png", "hd_streams.png", "tah_problem.png")
+INSIDE = {"hd_line.md": "HD inside: one held-out line, each stream's top-1 token and its probability (HD Fig. 8)",
+          "tah_problem.md": "TaH inside: one held-out lookup problem through the decider (TaH Figs. 5 and 7)"}
+
+
+def inside_sections(args):
+    """The first seed's analyses the suites kept with the run (hd_line, tah_problem), as sections."""
+    found = [(f, title) for f, title in INSIDE.items() if (args.run_dir / "inside" / f).exists()]
+    return "".join(f"\n\n**{title}**, seed {args.seeds[0]}\n\n" + (args.run_dir / "inside" / f).read_text()
+                   for f, title in found)
 HERE = Path(__file__).resolve().parent
-SOURCES = ("moe.py", "hd.py", "tah.py", "checks.py", "tasks.py", "trainer.py", "report.py", "train_tiny.py")  # all that can change a result
+SOURCES = ("moe.py", "hd.py", "tah.py", "checks.py", "tasks.py", "trainer.py", "report.py", "inside.py", "train_tiny.py")  # all that can change a result
 
 
 def open_run(args, P, text, out):
@@ -870,13 +1129,17 @@ def report(rows, args, P, out, argv, seconds):
     eval_set = "dev" if args.dev else "held-out"
     header = (f"Measured by `{command}` on {dev}, {P.seeds} seed(s), evaluated on the {eval_set} set; "
               f"{seconds:.0f} s for this invocation.")
-    md = table(summary, verdicts, header)
+    md = table(summary, verdicts, header) + inside_sections(args)
     atomic(out / "results.md", lambda f: f.write((md + "\n").encode()))
     atomic(out / "results.json", lambda f: f.write(json.dumps(
         {"preset": asdict(P), "device": dev, "eval_set": args.eval_split, "rule": RULE, "summary": summary,
          "verdicts": verdicts}, indent=1).encode()))
     sweeps = plot_sweep(summary, out, eval_set, [TAH.sweep.name, TAH_ADD.sweep.name], (STANDARD, ALWAYS))
-    png = [p for p in (plot(loss_curves(args.run_dir), out), sweeps) if p]
+    streams = plot_streams(summary, out, *({n: fx[j].name for n, fx in HD_INSIDE.items()} for j in range(3)))
+    trace = args.run_dir / "inside" / "tah_problem.png"
+    if trace.exists():
+        shutil.copyfile(trace, out / trace.name)
+    png = [p for p in (plot(loss_curves(args.run_dir), out), sweeps, streams, trace.exists() and out / trace.name) if p]
     log("\n" + md + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in png))
 
 
