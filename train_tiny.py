@@ -891,8 +891,8 @@ def check_preset(P):
 def parser():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     flag(ap, "suite", default="headline", metavar="{headline,all,hd,tah,moe,...}",
-         help="headline: the HD and TaH demonstrations; all: every suite with every ablation arm (hd, tah, "
-              "moe, tah-add); or a comma list of " + ",".join(SUITES))
+         help="headline: the HD and TaH demonstrations; all: every suite with every ablation arm; or a comma "
+              "list of " + ",".join(SUITES))
     flag(ap, "preset", choices=sorted(PRESETS),
          help="the budget: default (when not given) is the measured protocol, on any device; large is wider and "
               "longer, for a GPU, and not yet measured%(default).0s")
