@@ -46,6 +46,19 @@ def verdict(deltas, sign):
     return "shown" if right_sign and abs(d.mean()) > 2 * d.std(ddof=1) else "not shown"
 
 
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def interval95(deltas):
+    """The 95% confidence interval of the mean paired difference (Student's t, n - 1 degrees of
+    freedom; 1.96 beyond 10), or None under 2 seeds. Beside the rule, not part of it."""
+    d = np.asarray(deltas, dtype=float)
+    if len(d) < 2 or not np.all(np.isfinite(d)):
+        return None
+    half = T975.get(len(d) - 1, 1.96) * d.std(ddof=1) / np.sqrt(len(d))
+    return float(d.mean() - half), float(d.mean() + half)
+
+
 def claim_deltas(rows, claim):
     """Per-seed differences for a claim, from the rows."""
     val = {(r["arm"], r["metric"], r["seed"]): r["value"] for r in rows if r["effect"] == claim.effect.name}
@@ -68,7 +81,8 @@ def judge(rows, claims):
             raise ValueError(f"claim {c.name!r} finds no rows of arm {c.arm!r} against {c.baseline!r} "
                              f"in effect {c.effect.name!r}")
         out.append(dict(claim=c.name, metric=c.metric, deltas=d, mean=float(np.mean(d)),
-                        std=float(np.std(d, ddof=1)) if len(d) > 1 else 0.0, verdict=verdict(d, c.sign)))
+                        std=float(np.std(d, ddof=1)) if len(d) > 1 else 0.0, interval95=interval95(d),
+                        verdict=verdict(d, c.sign)))
     return out
 
 
@@ -136,10 +150,14 @@ def table(summary, verdicts, header):
             lines.append(f"| {arm} | " + " | ".join(row) + " |")
     if verdicts:
         lines += ["", f"**Verdicts** ({RULE}; Δ = arm - baseline, paired by seed)", "",
-                  "| claim | metric | Δ mean ± std | per seed | verdict |", "|---|---|---|---|---|"]
+                  "| claim | metric | Δ mean ± std | mean / std | 95% interval (t) | per seed | verdict |",
+                  "|---|---|---|---|---|---|---|"]
         for v in verdicts:
             per = ", ".join(f"{d:+.4g}" for d in v["deltas"])
-            lines.append(f"| {v['claim']} | {v['metric']} | {v['mean']:+.4f} ± {v['std']:.4f} | {per} | **{v['verdict']}** |")
+            ratio = f"{abs(v['mean']) / v['std']:.1f}" if v["std"] > 0 else ""
+            ci = "[{:+.4g}, {:+.4g}]".format(*v["interval95"]) if v.get("interval95") else ""
+            lines.append(f"| {v['claim']} | {v['metric']} | {v['mean']:+.4f} ± {v['std']:.4f} | {ratio} | {ci} | {per} | "
+                         f"**{v['verdict']}** |")
     return "\n".join(lines)
 
 

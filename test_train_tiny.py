@@ -358,6 +358,10 @@ def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the
     assert report.verdict([-0.04], -1) == "not shown"  # one seed cannot show anything
     assert report.verdict([-0.04, float("nan"), -0.05], -1) == "not shown"
     assert report.verdict([0.2, 0.3, 0.25], +1) == "shown"
+    # the 95% interval beside the rule: mean ± t(0.975, n-1) * std / sqrt(n); 1..5 by hand: 3 ± 2.776 * 0.7071
+    assert report.interval95([1, 2, 3, 4, 5]) == pytest.approx((3 - 1.9629, 3 + 1.9629), abs=1e-3)
+    assert report.interval95([2.0, 4.0]) == pytest.approx((3 - 12.706, 3 + 12.706), abs=1e-3)
+    assert report.interval95([1.0]) is None and report.interval95([1.0, float("nan")]) is None
 
 
 # -----------------------------------------------------------------------------
