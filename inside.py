@@ -94,8 +94,8 @@ def stream_states(model, idx):
 
 def stream_cosine(states):
     """Per layer, (same, different): the mean cosine similarity of two streams a < b of the same
-    token, and of stream a of token i with stream b of another token (token i + L/2 of the same
-    row, cyclically), over every pair of streams. states (layers, B, L, n, C); n >= 2."""
+    token, and of stream a of token i with stream b of another token (token i - L//2 of the same
+    row, mod L), over every pair of streams. states (layers, B, L, n, C); n >= 2, L >= 2."""
     S = F.normalize(states.float(), dim=-1)
     other = S.roll(S.size(2) // 2, dims=2)
     pairs = [(a, b) for a in range(S.size(3)) for b in range(a + 1, S.size(3))]

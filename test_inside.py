@@ -10,8 +10,9 @@ from hypothesis import given, settings, strategies as st
 import moe
 from hd import HDConfig, HiddenDecoding
 from inside import (OUTCOMES, entropy, head_probes, iteration_outcomes, recording_attention,
-                    stream_cosine, stream_mass, stream_states)
+                    stream_cosine, stream_mass, stream_states, tah_trace)
 from moe import attend
+from tah import TaHConfig, ThinkAtHard
 
 FAST = settings(max_examples=20, deadline=None)
 
@@ -151,3 +152,29 @@ def test_iteration_outcomes_match_a_loop(T, seed):
                     (True, True): OUTCOMES[3]}[(bool(b), bool(a))]
             want.setdefault(int(kind[t]), dict.fromkeys(OUTCOMES, 0))[name] += 1
     assert got == want
+
+
+@pytest.mark.parametrize("n_layer", [1, 3])
+def test_tah_trace_reads_the_forward_it_draws_and_its_attention_obeys_the_duo_causal_mask(n_layer):
+    """The trace's passes and top-1s are the decider-routed forward's; each second-pass query's
+    weights sum to 1 over the keys and fall only on keys (j, k) with j <= i (TaH Eq. 5; k <= 1
+    holds for every key of two passes)."""
+    torch.manual_seed(n_layer)
+    cfg = TaHConfig(vocab_size=29, block_size=16, n_layer=n_layer, n_embd=32, n_head=4, n_kv_head=2, head_dim=8,
+                    n_experts=0, ffn_hidden=32, logit_topk=29, kv_mirror=n_layer >= 3)
+    model = ThinkAtHard(cfg).eval()
+    with torch.no_grad():
+        model.decider.mlp[-1].bias.fill_(3.0)  # sigmoid(score) > 0.9 for most tokens: a second pass to read
+    idx = torch.randint(29, (1, 11))
+    trace = tah_trace(model, idx)
+    out = model(idx, mode="decider")
+    assert torch.equal(trace["passes"], out.depths[0])
+    assert torch.equal(trace["final"], out.logits[0].argmax(-1))
+    assert torch.equal(trace["first"], out.first_logits[0].argmax(-1))
+    went = (out.depths[0] > 1).nonzero().squeeze(1)
+    assert len(went) > 0 and torch.equal(trace["query_pos"], went)
+    w = trace["weights"]
+    torch.testing.assert_close(w.sum(-1), torch.ones(len(went)))
+    visible = trace["key_pos"][None, :] <= trace["query_pos"][:, None]
+    assert (w[~visible] == 0).all()
+    assert set(trace["key_depth"].tolist()) == {0, 1}
