@@ -235,7 +235,8 @@ def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
     md = (tmp_path / "results.md").read_text()
     effects = [v for v in vars(tt).values() if isinstance(v, tt.Effect)]
     effects += [e for v in vars(tt).values() if isinstance(v, tt.TaHEffects) for e in vars(v).values()]
-    assert len(effects) == 18  # 10 HD and MoE effects, 4 for each TaH task
+    effects += [e for fx in tt.HD_INSIDE.values() for e in fx]
+    assert len(effects) == 26  # 10 HD and MoE, TaH inside, TaH-3, 4 for each TaH task, 3 HD inside per n
     for effect in effects:  # every effect reported, with the paper's figure in its caption
         assert f"**{effect.name}** (paper: {effect.paper})" in md, effect
     result = json.loads((tmp_path / "results.json").read_text())
@@ -250,7 +251,7 @@ def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
 
 
 def suite_args(tmp_path):
-    return Namespace(device="cpu", run_dir=tmp_path, muon=False, accum=1, log_every=100, ckpt_every=100,
+    return Namespace(device="cpu", run_dir=tmp_path, seeds=range(1), muon=False, accum=1, log_every=100, ckpt_every=100,
                      eval_split="val", eval_seed=7919)
 
 
