@@ -236,7 +236,7 @@ def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
     effects = [v for v in vars(tt).values() if isinstance(v, tt.Effect)]
     effects += [e for v in vars(tt).values() if isinstance(v, tt.TaHEffects) for e in vars(v).values()]
     effects += [e for fx in tt.HD_INSIDE.values() for e in fx]
-    assert len(effects) == 26  # 10 HD and MoE, TaH inside, TaH-3, 4 for each TaH task, 3 HD inside per n
+    assert len(effects) == 24  # 8 HD and MoE, TaH inside, TaH-3, 4 for each TaH task, 3 HD inside per n
     for effect in effects:  # every effect reported, with the paper's figure in its caption
         assert f"**{effect.name}** (paper: {effect.paper})" in md, effect
     result = json.loads((tmp_path / "results.json").read_text())
@@ -282,6 +282,45 @@ def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp
         assert len(tables) == n and all(torch.equal(t, e0) for t in tables)  # E_k <- E_{k mod 1} = E_0
         assert len(batches) == len(batches1) == P.hd_cont_iters
         assert all(torch.equal(x, x1) and torch.equal(y, y1) for (x, y), (x1, y1) in zip(batches, batches1))
+
+
+def test_hd_ablations_continue_the_n1_checkpoint_on_the_headline_batches(tmp_path, monkeypatch):
+    seen, real = {}, tt.train  # name -> (config, backbone at the start, batches)
+
+    def spy(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
+        if "continued" not in name:
+            return real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
+        batches = []
+
+        def recording(m, x, y):
+            batches.append((x.clone(), y.clone()))
+            return loss_fn(m, x, y)
+        seen[name] = model.cfg, copy.deepcopy(model.backbone.state_dict()), batches
+        return real(name, model, recording, data, P, args, seed, on_step, **kw)
+    monkeypatch.setattr(tt, "train", spy)
+    P = tt.PRESETS["smoke"]
+    text = tasks.TextData("Out, out, brief candle! Life's but a walking shadow, a poor player " * 60, tmp_path / "t.npz")
+    rows = tt.suite_hd(P, suite_args(tmp_path), 0, text, every_arm=True)
+    cfg2, body2, batches2 = seen["hd/n=2 continued"]
+    trained = {}
+    for effect, arm, how in tt.hd_continued_ablation_arms(P):
+        if isinstance(how, dict):
+            cfg, body, batches = seen[f"hd/n=2 continued, {arm}"]
+            assert all(getattr(cfg, k) == v for k, v in how.items()) and cfg.n_streams == 2
+            assert all(torch.equal(body[k], body2[k]) for k in body2)  # the same n=1 checkpoint
+            assert len(batches) == len(batches2) == P.hd_cont_iters
+            assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(batches, batches2))
+        else:  # the headline's arm, its rows reused
+            trained[(effect.name, arm)] = tt.hd_cont_arm(how)
+    assert len(seen) == 3 + sum(isinstance(h, dict) for _, _, h in tt.hd_continued_ablation_arms(P))
+    value = {(r["effect"], r["arm"], r["metric"]): r["value"] for r in rows}
+    for (effect, arm), source in trained.items():
+        assert value[(effect, arm, "loss")] == value[(tt.HD_N.name, source, "loss")]
+    arms = {e.name: {a for (f, a, _) in value if f == e.name} for e in (tt.HD_LAYOUTS_CONT, tt.HD_OBJECTIVE_CONT,
+                                                                          tt.HD_KV_CONT, tt.HD_SCRATCH)}
+    for c in tt.HD_ABLATION_CLAIMS:  # every claim names arms the suite writes
+        assert {c.arm, c.baseline} <= arms[c.effect.name], c.name
+    assert arms[tt.HD_SCRATCH.name] == {arm for arm, _ in tt.hd_scratch_arms()}
 
 
 @pytest.mark.parametrize("suite", ["tah", "tah-add"])

@@ -142,13 +142,12 @@ HD_N = Effect("HD: expansion factor n, continued from one n=1 checkpoint",
               "previous one's checkpoint (HD §2.3)")
 HD_SCRATCH = Effect("HD: expansion factor n, from scratch",
                     "HD is continued pretraining; from scratch is this project's contrast")
-HD_LAYOUTS = Effect("HD: stream-factorized layouts (n=2, from scratch)",
-                    "21B avg: baseline 54.33; SF(1) +1.55, SF(4) +2.16, all-full +2.62 (HD Table 4)")
-HD_OBJECTIVE = Effect("HD: training objective (n=2, from scratch)", "loss: final 1.874 < sum 1.877 < all 1.880 (HD Table 5)")
-HD_LAYOUTS_CONT = Effect("HD: stream-factorized layouts (n=2, continued from the n=1 checkpoint)", HD_LAYOUTS.paper)
-HD_OBJECTIVE_CONT = Effect("HD: training objective (n=2, continued from the n=1 checkpoint)", HD_OBJECTIVE.paper)
-HD_KV = Effect("HD: per-stream vs shared KV (n=2, from scratch)",
-               "avg: per-stream 64.23 vs shared 63.46 (1 full layer) (HD Table 6)")
+HD_LAYOUTS_CONT = Effect("HD: stream-factorized layouts (n=2, continued from the n=1 checkpoint)",
+                         "21B avg: baseline 54.33; SF(1) +1.55, SF(4) +2.16, all-full +2.62 (HD Table 4)")
+HD_OBJECTIVE_CONT = Effect("HD: training objective (n=2, continued from the n=1 checkpoint)",
+                           "loss: final 1.874 < sum 1.877 < all 1.880 (HD Table 5)")
+HD_KV_CONT = Effect("HD: per-stream vs shared KV (n=2, continued from the n=1 checkpoint)",
+                    "avg: per-stream 64.23 vs shared 63.46 (1 full layer) (HD Table 6)")
 
 # arm names: the suites write them, the claims read them
 HD_CONT_NS = (1, 2, 4)  # the HD headline's arms, each continued from the n=1 checkpoint
@@ -158,28 +157,30 @@ def hd_cont_arm(n):
     return f"n={n} continued"
 
 
-def hd_ablation_arms(P):
-    """--suite all: HD arms trained from scratch for P.iters steps, as (effect, arm, HDConfig
-    overrides of the preset's backbone)."""
-    L = P.n_layer
-    layouts = [("all-full", "F" * L), ("few-full", P.layout), ("one-full", "I" * (L - 1) + "F"), ("all-intra", "I" * L)]
-    return ([(HD_SCRATCH, f"n={n} from scratch (layout {P.layout})", dict(n_streams=n)) for n in (1, 2, 4)]
-            + [(HD_LAYOUTS, f"layout {name} ({lay})", dict(n_streams=2, layout=lay)) for name, lay in layouts]
-            + [(HD_OBJECTIVE, f"objective {o}", dict(n_streams=2, objective=o)) for o in ("final", "all", "sum")]
-            + [(HD_KV, "per-stream KV", dict(n_streams=2)), (HD_KV, "shared KV", dict(n_streams=2, shared_kv=True))])
+def hd_scratch_arms():
+    """--suite all: the contrast, n = 1, 2, 4 trained from scratch for P.iters steps, as (arm,
+    n)."""
+    return [(f"n={n} from scratch", n) for n in HD_CONT_NS]
+
+
+NO_EXPANSION = "no expansion (n=1 continued)"
+ALL_FULL, FEW_FULL = "layout all-full (every layer F)", "layout few-full (--layout, the default)"
+ONE_FULL, ALL_INTRA = "layout one-full (the last layer F, the others I)", "layout all-intra (every layer I)"
+PER_STREAM_KV, SHARED_KV = "per-stream KV", "shared KV"
 
 
 def hd_continued_ablation_arms(P):
-    """--suite all: the layout and objective ablations under the paper's protocol, each an n=2
-    model expanded from the n=1 checkpoint and continued for P.hd_cont_iters steps, as (effect,
-    arm, expand_streams overrides). None marks the headline's n=2 arm (layout P.layout,
-    objective final), whose rows are reused."""
+    """--suite all: the ablations as the paper runs them (HD Tables 4-6: continued pretraining),
+    each an n=2 model expanded from the n=1 checkpoint and continued for P.hd_cont_iters steps,
+    as (effect, arm, how): how is a dict of expand_streams overrides, or an int n whose headline
+    arm this arm is (layout P.layout, objective final, per-stream KV), its rows reused."""
     L = P.n_layer
-    layouts = [("all-full", "F" * L), ("few-full", P.layout), ("one-full", "I" * (L - 1) + "F"), ("all-intra", "I" * L)]
-    return ([(HD_LAYOUTS_CONT, f"layout {name} ({lay})", None if lay == P.layout else dict(layout=lay))
-             for name, lay in layouts]
-            + [(HD_OBJECTIVE_CONT, f"objective {o}", None if o == "final" else dict(objective=o))
-               for o in ("final", "all", "sum")])
+    layouts = [(ALL_FULL, "F" * L), (FEW_FULL, P.layout), (ONE_FULL, "I" * (L - 1) + "F"), (ALL_INTRA, "I" * L)]
+    return ([(HD_LAYOUTS_CONT, NO_EXPANSION, 1)]
+            + [(HD_LAYOUTS_CONT, arm, 2 if lay == P.layout else dict(layout=lay)) for arm, lay in layouts]
+            + [(HD_OBJECTIVE_CONT, f"objective {o}", 2 if o == "final" else dict(objective=o))
+               for o in ("final", "all", "sum")]
+            + [(HD_KV_CONT, PER_STREAM_KV, 2), (HD_KV_CONT, SHARED_KV, dict(shared_kv=True))])
 
 
 def hd_continuations(base, ns, device):
@@ -197,38 +198,37 @@ def suite_hd(P, args, seed, data, every_arm):
     train("hd/backbone n=1", base, lm_loss, data, replace(P, iters=P.hd_base_iters), args, seed)
     rows += result_rows(HD_N, "n=1 backbone (start of every arm)", seed, evaluate(base, data, P, args))
     rows += result_rows(HD_N, "n=2 just expanded (step 0)", seed, evaluate(expand_streams(base, 2), data, P, args))
-    cont = replace(P, iters=P.hd_cont_iters)
+    cont, headline = replace(P, iters=P.hd_cont_iters), {}
     for n, model in hd_continuations(base, HD_CONT_NS, args.device).items():
         train(f"hd/n={n} continued", model, lm_loss, data, cont, args, seed, first_batch=P.hd_base_iters)
         r = evaluate(model, data, P, args)
         rows += result_rows(HD_N, hd_cont_arm(n), seed, r)
-        if n == 2:
-            headline_n2 = r
+        headline[n] = r
         if n in HD_INSIDE:  # the probes of HD §5.2-5.3 (seconds)
             rows += hd_inside_rows(model, data, P, args, seed)
             if n == max(HD_INSIDE) and seed == args.seeds[0]:
                 save_inside(args, "hd_line.md", hd_line(model, data, args))
     if every_arm:
-        for effect, arm, overrides in hd_continued_ablation_arms(P):
-            if overrides is None:
-                rows += result_rows(effect, arm, seed, headline_n2)
+        for effect, arm, how in hd_continued_ablation_arms(P):
+            if not isinstance(how, dict):  # a headline arm, already trained
+                rows += result_rows(effect, arm, seed, headline[how])
                 continue
-            model = expand_streams(base, 2, **overrides).to(args.device)
+            model = expand_streams(base, 2, **how).to(args.device)
             train(f"hd/n=2 continued, {arm}", model, lm_loss, data, cont, args, seed, first_batch=P.hd_base_iters)
             rows += result_rows(effect, arm, seed, evaluate(model, data, P, args))
-        rows += suite_hd_ablations(P, args, seed, data)
+        rows += suite_hd_scratch(P, args, seed, data)
     return rows
 
 
-def suite_hd_ablations(P, args, seed, data):
-    """--suite all: every arm of hd_ablation_arms, from scratch."""
+def suite_hd_scratch(P, args, seed, data):
+    """--suite all: the contrast, each n of hd_scratch_arms trained from scratch."""
     rows = []
-    for effect, arm, overrides in hd_ablation_arms(P):
+    for arm, n in hd_scratch_arms():
         torch.manual_seed(seed)
-        cfg = HDConfig(**backbone_cfg(P, data.vocab_size, **{"layout": P.layout, "window": P.window, **overrides}))
+        cfg = HDConfig(**backbone_cfg(P, data.vocab_size, layout=P.layout, window=P.window, n_streams=n))
         model = HiddenDecoding(cfg).to(args.device)
         train(f"hd/{arm}", model, lm_loss, data, P, args, seed)
-        rows += result_rows(effect, arm, seed, evaluate(model, data, P, args))
+        rows += result_rows(HD_SCRATCH, arm, seed, evaluate(model, data, P, args))
     return rows
 
 
@@ -274,6 +274,19 @@ HD_PROG_CLAIMS = [
     Claim("HD progressive: n=4 (from n=2) beats n=1 after stage 2", HD_PROG, prog_arm(4, 2), prog_arm(1, 2), "loss", -1),
     Claim("HD progressive: gain grows with n: n=4 beats n=2 after stage 2", HD_PROG, prog_arm(4, 2), prog_arm(2, 2),
           "loss", -1),
+]
+
+
+# --suite all: the paper's order in each ablation table (held-out loss, lower is better)
+HD_ABLATION_CLAIMS = [
+    Claim("HD layouts: one full layer (SF(1)) still beats no expansion", HD_LAYOUTS_CONT, ONE_FULL, NO_EXPANSION,
+          "loss", -1),
+    Claim("HD layouts: the default few-full (SF) beats one full layer", HD_LAYOUTS_CONT, FEW_FULL, ONE_FULL, "loss", -1),
+    Claim("HD layouts: all-full beats few-full (the paper: by little)", HD_LAYOUTS_CONT, ALL_FULL, FEW_FULL, "loss", -1),
+    Claim("HD objectives: final-stream loss beats sum", HD_OBJECTIVE_CONT, "objective final", "objective sum", "loss",
+          -1),
+    Claim("HD objectives: sum beats all-token loss", HD_OBJECTIVE_CONT, "objective sum", "objective all", "loss", -1),
+    Claim("HD: per-stream KV beats shared KV", HD_KV_CONT, PER_STREAM_KV, SHARED_KV, "loss", -1),
 ]
 
 
@@ -625,6 +638,8 @@ def tah_claims(fx, task):
         Claim(f"{task}: latent overthinking: AlwaysThink corrupts more than it corrects", r, ALWAYS, 0,
               "corrupted - corrected vs Standard", +1),
         Claim(f"{task}: AlwaysThink falls below Standard (paper: 44.7 vs 47.8)", r, ALWAYS, STANDARD, "acc", -1),
+        Claim(f"{task}: duo-causal attention beats first-depth keys (oracle routing)", fx.attention, "duo-causal",
+              "first-depth", "acc", +1),
     ]
 
 
@@ -810,7 +825,7 @@ MOE_CLAIMS = [
 SUITES = {"hd": suite_hd, "tah": suite_tah, "tah-add": suite_tah_add, "moe": suite_moe, "hd-progressive": suite_hd_progressive,
           "tah3": suite_tah3}
 TEXT_SUITES = ("hd", "hd-progressive", "moe")  # the suites that train on the text
-CLAIMS = (HD_CLAIMS + HD_INSIDE_CLAIMS + HD_PROG_CLAIMS + tah_claims(TAH, "TaH, lookups") + TAH_INSIDE_CLAIMS + MOE_CLAIMS
+CLAIMS = (HD_CLAIMS + HD_INSIDE_CLAIMS + HD_PROG_CLAIMS + HD_ABLATION_CLAIMS + tah_claims(TAH, "TaH, lookups") + TAH_INSIDE_CLAIMS + MOE_CLAIMS
           + tah_claims(TAH_ADD, "TaH, addition") + TAH3_CLAIMS)
 
 
