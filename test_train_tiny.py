@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from argparse import Namespace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -263,6 +264,7 @@ def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp
             return real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
         start = (copy.deepcopy(model.backbone.state_dict()), [t.weight.detach().clone() for t in model.tables])
         batches = []
+        assert (P.lr, P.iters) == (P.hd_cont_lr, P.hd_cont_iters)  # the continuation's own budget
 
         def recording(m, x, y):
             batches.append((x.clone(), y.clone()))
@@ -270,7 +272,7 @@ def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp
         seen[model.cfg.n_streams] = start, batches
         return real(name, model, recording, data, P, args, seed, on_step, **kw)
     monkeypatch.setattr(tt, "train", spy)
-    P = tt.PRESETS["smoke"]
+    P = replace(tt.PRESETS["smoke"], hd_cont_lr=1e-3)
     text = tasks.TextData("Is this a dagger which I see before me, the handle toward my hand? " * 60, tmp_path / "t.npz")
     tt.suite_hd(P, suite_args(tmp_path), 0, text, every_arm=False)
     assert sorted(seen) == [1, 2, 4]

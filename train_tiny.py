@@ -73,6 +73,7 @@ class Preset:
     warmup: int = 20
     hd_base_iters: int = 150  # HD: the n=1 backbone every arm continues from
     hd_cont_iters: int = 160  # HD: steps every arm continues from the n=1 checkpoint
+    hd_cont_lr: float = 3e-3  # HD: the continuation's peak learning rate (warmup, then cosine)
     # TaH: in-context lookups (Lookups) on tah_layers; addition (Arith, --suite all) on add_layers
     symbols: int = 8
     queries: int = 5
@@ -99,7 +100,7 @@ PRESETS = {
     "large": Preset(  # not yet measured: wider, deeper, longer, for a GPU; opt-in (--preset large)
 n_layer=8, n_embd=192, n_head=18, n_kv_head=3, head_dim=32, n_experts=16, top_k=2,
                   expert_hidden=192, ffn_hidden=576, layout="IIFIILII", window=64, block=128,
-                  batch=32, iters=600, lr=2e-3, warmup=50, hd_base_iters=600, hd_cont_iters=300,
+                  batch=32, iters=600, lr=2e-3, warmup=50, hd_base_iters=600, hd_cont_iters=300, hd_cont_lr=2e-3,
                   digits=6, add_layers=4, tah_batch=64, tah_base_iters=1500, tah_sft_iters=800,
                   decider_iters=1200, seeds=5, plays=()),
     "smoke": Preset(n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8, n_experts=4, expert_hidden=32,
@@ -198,7 +199,7 @@ def suite_hd(P, args, seed, data, every_arm):
     train("hd/backbone n=1", base, lm_loss, data, replace(P, iters=P.hd_base_iters), args, seed)
     rows += result_rows(HD_N, "n=1 backbone (start of every arm)", seed, evaluate(base, data, P, args))
     rows += result_rows(HD_N, "n=2 just expanded (step 0)", seed, evaluate(expand_streams(base, 2), data, P, args))
-    cont, headline = replace(P, iters=P.hd_cont_iters), {}
+    cont, headline = replace(P, iters=P.hd_cont_iters, lr=P.hd_cont_lr), {}
     for n, model in hd_continuations(base, HD_CONT_NS, args.device).items():
         train(f"hd/n={n} continued", model, lm_loss, data, cont, args, seed, first_batch=P.hd_base_iters)
         r = evaluate(model, data, P, args)
@@ -252,7 +253,7 @@ def suite_hd_progressive(P, args, seed, data, every_arm):
     base = HiddenDecoding(HDConfig(**backbone_cfg(P, data.vocab_size, layout=P.layout, window=P.window,
                                                   n_streams=1))).to(args.device)
     train("hd-progressive/backbone n=1", base, lm_loss, data, replace(P, iters=P.hd_base_iters), args, seed)
-    cont, rows = replace(P, iters=P.hd_cont_iters), []
+    cont, rows = replace(P, iters=P.hd_cont_iters, lr=P.hd_cont_lr), []
     models = {n: expand_streams(base, n).to(args.device) for n in (1, 2)}
     for stage in (1, 2):
         if stage == 2:  # n=4 from stage 1's n=2, before that one trains on
