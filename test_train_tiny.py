@@ -303,7 +303,7 @@ def test_hd_ablations_continue_the_n1_checkpoint_on_the_headline_batches(tmp_pat
     P = tt.PRESETS["smoke"]
     text = tasks.TextData("Out, out, brief candle! Life's but a walking shadow, a poor player " * 60, tmp_path / "t.npz")
     rows = tt.suite_hd(P, suite_args(tmp_path), 0, text, every_arm=True)
-    cfg2, body2, batches2 = seen["hd/n=2 continued"]
+    _, body2, batches2 = seen["hd/n=2 continued"]
     trained = {}
     for effect, arm, how in tt.hd_continued_ablation_arms(P):
         if isinstance(how, dict):
