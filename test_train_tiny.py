@@ -222,6 +222,41 @@ def test_two_process_ddp_has_its_own_run_and_equals_one_process(suite, tmp_path)
     np.testing.assert_allclose(*zip(*losses), rtol=1e-3, atol=1e-4)
 
 
+def test_jobs_train_the_same_rows_as_one_process_in_any_order(tmp_path):
+    """--jobs 2 spreads the (suite, seed)s over two processes (longest first, so not in the
+    one-process order): every row, and the report under its header, equals a one-process run's,
+    and both runs share one key (the numbers do not depend on --jobs). A resumed run that
+    finishes the seeds in another order writes the same report too."""
+    argv = ["--smoke", "--suite", "hd,tah", "--seeds", "2"]
+    tt.main(argv + ["--jobs", "1", "--out", str(tmp_path / "one")])
+    tt.main(argv + ["--jobs", "2", "--out", str(tmp_path / "two")])
+    (one,), (two,) = (list((tmp_path / d).glob("run-*")) for d in ("one", "two"))
+    assert one.name == two.name
+    rows = [json.loads((r / "rows.json").read_text())["rows"] for r in (one, two)]
+    assert rows[0] == rows[1] and {(r["suite"], r["seed"]) for r in rows[0]} == {(s, k) for s in ("hd", "tah")
+                                                                                   for k in (0, 1)}
+    md = [(tmp_path / d / "results.md").read_text().split("\n", 1)[1] for d in ("one", "two")]
+    assert md[0] == md[1]
+    doc = json.loads((one / "rows.json").read_text())  # keep only hd seed 1: the rest finishes after it
+    tt.save_rows(one / "rows.json", [r for r in doc["rows"] if (r["suite"], r["seed"]) == ("hd", 1)], doc["run"])
+    tt.main(argv + ["--jobs", "1", "--out", str(tmp_path / "one")])
+    assert json.loads((one / "rows.json").read_text())["rows"] == rows[1]
+    assert (tmp_path / "one" / "results.md").read_text().split("\n", 1)[1] == md[1]
+
+
+def test_jobs_default_to_the_cores_per_thread_and_refuse_torchrun(monkeypatch, capsys):
+    monkeypatch.setattr(tt, "usable_cores", lambda: 4)
+    assert tt.parse(["--smoke"]).jobs == 4
+    assert tt.parse(["--smoke", "--threads", "2"]).jobs == 2
+    assert tt.parse(["--smoke", "--threads", "8"]).jobs == 1
+    assert tt.parse(["--smoke", "--jobs", "3"]).jobs == 3
+    monkeypatch.setattr(tt, "DDP", True)
+    assert tt.parse(["--smoke"]).jobs == 1
+    with pytest.raises(SystemExit):
+        tt.parse(["--smoke", "--jobs", "2"])
+    assert "under torchrun give --jobs 1" in capsys.readouterr().err
+
+
 def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
     stages, real = [], tt.train
 
@@ -230,7 +265,7 @@ def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
             stages.append((name, P.iters))
         return real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
     monkeypatch.setattr(tt, "train", counting)
-    tt.main(["--smoke", "--out", str(tmp_path)])
+    tt.main(["--smoke", "--jobs", "1", "--out", str(tmp_path)])  # one process: the patched train is the one used
     assert tt.PROGRESS.planned == stages  # the progress line's plan is what the suites ran
     assert {s.split("/")[0] for s, _ in stages} == set(tt.SUITES)
     md = (tmp_path / "results.md").read_text()
@@ -243,7 +278,7 @@ def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
     result = json.loads((tmp_path / "results.json").read_text())
     assert [v["claim"] for v in result["verdicts"]] == [c.name for c in tt.CLAIMS]  # every claim judged
     assert all(v["verdict"] == "not shown" for v in result["verdicts"])  # one seed can never show an effect
-    tt.main(["--smoke", "--out", str(tmp_path)])  # a second run finds every suite done
+    tt.main(["--smoke", "--jobs", "1", "--out", str(tmp_path)])  # a second run finds every suite done
     assert (tmp_path / "results.md").read_text().split("\n", 1)[1] == md.split("\n", 1)[1]
 
 
@@ -425,6 +460,7 @@ def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the
     (["--suite", "tah", "--accum", "3", "--tah-batch", "7", "--batch", "9"], "--tah_batch 7 does not split"),
     (["--out", ""], "--out must name a folder"),
     (["--threads", "0"], "--threads"),
+    (["--jobs", "0"], "--jobs must be >= 1"),
     (["--lr=nan"], "--lr must be a finite number"),
     (["--n_layer=0"], "--n_layer must be >= 1"),
     (["--layout=IIF"], "builds no valid model: layout"),

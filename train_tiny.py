@@ -21,6 +21,7 @@ import copy
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
@@ -831,21 +832,21 @@ CLAIMS = (HD_CLAIMS + HD_INSIDE_CLAIMS + HD_PROG_CLAIMS + HD_ABLATION_CLAIMS + t
 
 
 def planned(args, data, todo):
-    """What the (suite, seed)s to do will train: their stages in order as (arm, steps), and each
-    arm's seconds per step, both read off a probe that runs each suite's protocol once (on the
-    first seed to do) with every stage cut to a few steps and every evaluation to one batch. The
-    stages and their step counts are the protocol's own; nothing here restates them."""
-    stages, args.probe = {}, []
+    """What each suite to do trains: its stages in order as (arm, steps), and each arm's seconds
+    per step, both read off a probe that runs each suite's protocol once (on the first seed to
+    do) with every stage cut to a few steps and every evaluation to one batch. The stages and
+    their step counts are the protocol's own; nothing here restates them."""
+    stages, rates, args.probe = {}, {}, []
     try:
         for suite, seed in todo:
             if suite not in stages:
                 del args.probe[:]
                 SUITES[suite](args.P, args, seed, data[suite], args.every_arm)
-                stages[suite] = list(args.probe)
+                stages[suite] = [(arm, steps) for arm, steps, _ in args.probe]
+                rates.update({arm: sec for arm, _, sec in args.probe if sec is not None})
     finally:
         args.probe = None
-    rates = {arm: sec for found in stages.values() for arm, _, sec in found if sec is not None}
-    return [(arm, steps) for suite, _ in todo for arm, steps, _ in stages[suite]], rates
+    return stages, rates
 
 
 # -----------------------------------------------------------------------------
@@ -924,8 +925,12 @@ def parser():
     flag(ap, "log_every", type=int, default=50, help="steps between log lines")
     flag(ap, "ckpt_every", type=int, default=50, help="steps between checkpoints")
     flag(ap, "device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
-    flag(ap, "threads", type=int, default=2,
-         help="CPU threads (the README's numbers used 2; float sums, and so the last digits, depend on it)")
+    flag(ap, "threads", type=int, default=1,
+         help="CPU threads per process (float sums, and so the last digits, depend on it; the README's default run "
+              "used 1)")
+    flag(ap, "jobs", type=int,
+         help="(suite, seed)s trained at once, each in a process of its own; the numbers do not depend on it "
+              "(default: on CPU the usable cores // --threads, on CUDA and under torchrun 1)")
     flag(ap, "seed0", type=int, default=0, help="the first seed: a run trains seeds seed0 .. seed0 + seeds - 1")
     flag(ap, "fresh", action="store_true",
          help="delete this configuration's checkpoints and finished rows first, and train everything again")
@@ -957,7 +962,13 @@ def parse(argv):
     args.suites, args.seeds = names, range(args.seed0, args.seed0 + args.P.seeds)
     args.every_arm = args.suite == "all" or args.smoke or args.rehearse
     args.eval_split, args.eval_seed = ("dev", 104729) if args.dev else ("val", 7919)
+    if args.jobs is None:
+        args.jobs = 1 if DDP or args.device.startswith("cuda") else max(1, usable_cores() // args.threads)
     return args
+
+
+def usable_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def check_args(args, names):
@@ -975,9 +986,11 @@ def check_args(args, names):
         return "--out must name a folder, and --out and --data must be UTF-8 paths"
     if args.data and not set(TEXT_SUITES) & set(names):
         return "--data feeds the hd and moe suites only; this run has neither"
-    for k in ("accum", "log_every", "ckpt_every", "threads"):
-        if getattr(args, k) < 1:
+    for k in ("accum", "log_every", "ckpt_every", "threads", "jobs"):
+        if getattr(args, k) is not None and getattr(args, k) < 1:
             return f"--{k} must be >= 1, got {getattr(args, k)}"
+    if DDP and (args.jobs or 1) > 1:
+        return "--jobs trains in processes of its own; under torchrun give --jobs 1 (each rank is one process)"
     if args.seed0 < 0:
         return f"--seed0 must be >= 0, got {args.seed0}"
     if args.data and not Path(args.data).is_file():
@@ -1048,17 +1061,64 @@ def run(args, argv):
     todo = [(suite, seed) for suite in args.suites for seed in args.seeds if (suite, seed) not in done]
     data = {**dict.fromkeys(TEXT_SUITES, text), "tah": Lookups(P.symbols, P.queries, P.two_hop), "tah-add": Arith(P.digits),
             "tah3": Lookups(P.symbols, P.queries, P.two_hop, P.three_hop)}
-    PROGRESS.start(*planned(args, data, todo))
+    stages, rates = planned(args, data, todo)
     for suite in args.suites:
         for seed in args.seeds:
             if (suite, seed) in done:
                 log(f"{suite} seed {seed}: already done, skipped")
-                continue
-            rows += [{**r, "suite": suite} for r in SUITES[suite](P, args, seed, data[suite], args.every_arm)]
+    if args.jobs > 1 and len(todo) > 1:
+        rows = train_in_processes(args, todo, data, stages, rates, rows, rows_path)
+    else:
+        PROGRESS.start([stage for suite, _ in todo for stage in stages[suite]], rates)
+        for suite, seed in todo:
+            rows = in_order(rows + [{**r, "suite": suite} for r in SUITES[suite](P, args, seed, data[suite],
+                                                                                  args.every_arm)])
             if MASTER:
                 save_rows(rows_path, rows, args.run_key)
     if MASTER:
         report(rows, args, P, out, argv, time.time() - t0)
+
+
+def in_order(rows):
+    """Rows by suite (in SUITES' order), then seed, whatever order they finished in: the report's
+    sums over seeds, and so its last digits, do not depend on --jobs or on a resume."""
+    suites = list(SUITES)
+    return sorted(rows, key=lambda r: (suites.index(r["suite"]), r["seed"]))
+
+
+def train_in_processes(args, todo, data, stages, rates, rows, rows_path):
+    """--jobs > 1: the (suite, seed)s to do, longest first, spread over args.jobs processes of
+    args.threads threads each; each one's rows are saved as it finishes. A (suite, seed) computes
+    the same numbers in any process (each suite seeds its own generators), so the rows equal a
+    one-process run's with the same --threads."""
+    seconds = {suite: sum(steps * rates.get(arm, 0.0) for arm, steps in stages[suite]) for suite in stages}
+    todo = sorted(todo, key=lambda t: -seconds[t[0]])
+    log(f"{len(todo)} (suite, seed)s in {args.jobs} processes of {args.threads} thread(s)")
+    t0, left = time.time(), sum(seconds[suite] for suite, _ in todo)
+    tasks = [(args, suite, seed, data[suite], stages[suite], rates) for suite, seed in todo]
+    with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(todo))) as pool:
+        for k, (suite, seed, found) in enumerate(pool.imap_unordered(train_one, tasks), 1):
+            if isinstance(found, str):  # the worker's SystemExit: one line, as in one process
+                raise SystemExit(found)
+            rows = in_order(rows + found)
+            save_rows(rows_path, rows, args.run_key)
+            left -= seconds[suite]
+            log(f"{suite} seed {seed} finished ({k} of {len(todo)}) | elapsed {(time.time() - t0) / 60:.1f} min | "
+                f"~{left / min(args.jobs, len(todo) - k or 1) / 60:.1f} min of training left")
+    return rows
+
+
+def train_one(task):
+    """One (suite, seed) in a process of train_in_processes: (suite, seed, its rows), or the line
+    of the SystemExit that stopped it."""
+    args, suite, seed, data, stages, rates = task
+    torch.set_float32_matmul_precision("high")
+    torch.set_num_threads(args.threads)
+    PROGRESS.start(stages, rates)
+    try:
+        return suite, seed, [{**r, "suite": suite} for r in SUITES[suite](args.P, args, seed, data, args.every_arm)]
+    except SystemExit as e:
+        return suite, seed, str(e.code)
 
 
 RESULTS = ("results.md", "results.json", "loss_curves.png", "tah_tradeoff.png", "hd_streams.png", "tah_problem.png")
@@ -1140,7 +1200,7 @@ def report(rows, args, P, out, argv, seconds):
     """results.md / results.json (and plots with matplotlib) from the rows alone."""
     summary, verdicts = summarize(rows), judge(rows, CLAIMS)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
-        f"CPU ({os.cpu_count()} cores, {args.threads} threads)"
+        f"CPU ({os.cpu_count()} cores; --jobs {args.jobs}, --threads {args.threads})"
     command = " ".join(["python train_tiny.py"] + (sys.argv[1:] if argv is None else argv))
     eval_set = "dev" if args.dev else "held-out"
     header = (f"Measured by `{command}` on {dev}, {P.seeds} seed(s), evaluated on the {eval_set} set; "
