@@ -244,6 +244,20 @@ def test_jobs_train_the_same_rows_as_one_process_in_any_order(tmp_path):
     assert (tmp_path / "one" / "results.md").read_text().split("\n", 1)[1] == md[1]
 
 
+def test_a_worker_stopped_by_an_error_hands_its_one_line_to_the_parent(monkeypatch):
+    """A SystemExit in a --jobs process (a NaN loss, a damaged checkpoint) comes back as its
+    line, which the parent raises; anything else propagates through the pool as it is."""
+    def stops(P, args, seed, data, every_arm):
+        raise SystemExit(f"error: [moe/arm s{seed}] loss is nan at step 2")
+    monkeypatch.setitem(tt.SUITES, "moe", stops)
+    threads = torch.get_num_threads()
+    try:
+        found = tt.train_one((tt.parse(["--smoke", "--suite", "moe"]), "moe", 3, None, [], {}))
+    finally:
+        torch.set_num_threads(threads)  # train_one sets the process up as a worker's
+    assert found == ("moe", 3, "error: [moe/arm s3] loss is nan at step 2")
+
+
 def test_jobs_default_to_the_cores_per_thread_and_refuse_torchrun(monkeypatch, capsys):
     monkeypatch.setattr(tt, "usable_cores", lambda: 4)
     assert tt.parse(["--smoke"]).jobs == 4
