@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from argparse import Namespace
 from dataclasses import replace
 from pathlib import Path
@@ -256,6 +257,64 @@ def test_a_worker_stopped_by_an_error_hands_its_one_line_to_the_parent(monkeypat
     finally:
         torch.set_num_threads(threads)  # train_one sets the process up as a worker's
     assert found == ("moe", 3, "error: [moe/arm s3] loss is nan at step 2")
+
+
+def dies_or_stops(task):  # what a --jobs process runs in the next test (module level: a spawned process imports it)
+    args, suite, seed = task[:3]
+    if seed == 1:
+        if args.out.endswith("dies"):
+            os._exit(3)  # as the OOM killer would end it: no exception, no result
+        return suite, seed, "error: [moe/arm s1] loss is nan at step 2"
+    time.sleep(120)  # seed 0 would run on: the error must stop it
+    return suite, seed, []
+
+
+@pytest.mark.parametrize("how, words", [("dies", "seed 1 died (exit code 3"), ("stops", "loss is nan")])
+def test_an_error_in_one_jobs_process_stops_them_all_with_one_line(how, words, tmp_path):
+    args = tt.parse(["--smoke", "--suite", "moe", "--seeds", "2", "--jobs", "2", "--out", str(tmp_path / how)])
+    t0 = time.time()
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        tt.train_in_processes(args, [("moe", 0), ("moe", 1)], {"moe": None}, {"moe": []}, {}, [],
+                              tmp_path / "rows.json", work=dies_or_stops)
+    assert time.time() - t0 < 60  # not after seed 0's two minutes
+
+
+def sleeps(task):  # a --jobs process that trains for long (module level, for the spawned process)
+    args, suite, seed = task[:3]
+    (Path(args.out) / f"pid{seed}").write_text(str(os.getpid()))
+    time.sleep(120)
+    return suite, seed, []
+
+
+def running(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_jobs_processes_end_when_their_parent_is_killed(tmp_path):
+    """kill -9 of the parent leaves no process training on unseen (each watches its parent)."""
+    script = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import train_tiny as tt, test_train_tiny as t\n"
+              f"args = tt.parse(['--smoke', '--suite', 'moe', '--seeds', '2', '--jobs', '2', '--out', {str(tmp_path)!r}])\n"
+              f"tt.train_in_processes(args, [('moe', 0), ('moe', 1)], {{'moe': None}}, {{'moe': []}}, {{}}, [], None, "
+              f"work=t.sleeps)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=HERE)
+    files = [tmp_path / "pid0", tmp_path / "pid1"]
+    for _ in range(600):
+        if all(f.exists() and f.read_text() for f in files):
+            break
+        time.sleep(0.1)
+    pids = [int(f.read_text()) for f in files]
+    assert all(running(p) for p in pids)
+    parent.kill()
+    parent.wait()
+    for _ in range(100):
+        if not any(running(p) for p in pids):
+            break
+        time.sleep(0.1)
+    assert not any(running(p) for p in pids)
 
 
 def test_jobs_default_to_the_cores_per_thread_and_refuse_torchrun(monkeypatch, capsys):

@@ -23,9 +23,11 @@ import json
 import math
 import multiprocessing
 import os
+import queue
 import re
 import shutil
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -1086,31 +1088,65 @@ def in_order(rows):
     return sorted(rows, key=lambda r: (suites.index(r["suite"]), r["seed"]))
 
 
-def train_in_processes(args, todo, data, stages, rates, rows, rows_path):
-    """--jobs > 1: the (suite, seed)s to do, longest first, spread over args.jobs processes of
-    args.threads threads each; each one's rows are saved as it finishes. A (suite, seed) computes
-    the same numbers in any process (each suite seeds its own generators), so the rows equal a
-    one-process run's with the same --threads."""
+def train_in_processes(args, todo, data, stages, rates, rows, rows_path, work=None):
+    """--jobs > 1: the (suite, seed)s to do, longest first, each in a fresh process of
+    args.threads threads, args.jobs at a time (`work`, train_one unless a test says otherwise,
+    runs one); each one's rows are saved as it finishes. A (suite, seed) computes the same
+    numbers in any process (each suite seeds its own generators), so the rows equal a
+    one-process run's with the same --threads. An error, or a process that dies, stops them all
+    at once with one line; what finished is kept."""
     seconds = {suite: sum(steps * rates.get(arm, 0.0) for arm, steps in stages[suite]) for suite in stages}
-    todo = sorted(todo, key=lambda t: -seconds[t[0]])
-    log(f"{len(todo)} (suite, seed)s in {args.jobs} processes of {args.threads} thread(s)")
-    t0, left = time.time(), sum(seconds[suite] for suite, _ in todo)
-    tasks = [(args, suite, seed, data[suite], stages[suite], rates) for suite, seed in todo]
-    with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(todo))) as pool:
-        for k, (suite, seed, found) in enumerate(pool.imap_unordered(train_one, tasks), 1):
-            if isinstance(found, str):  # the worker's SystemExit: one line, as in one process
+    waiting = sorted(todo, key=lambda t: -seconds[t[0]])
+    log(f"{len(todo)} (suite, seed)s in {args.jobs} processes at a time, {args.threads} thread(s) each")
+    ctx = multiprocessing.get_context("spawn")
+    results, running, t0, left = ctx.Queue(), {}, time.time(), sum(seconds[suite] for suite, _ in todo)
+    try:
+        while waiting or running:
+            while waiting and len(running) < args.jobs:
+                suite, seed = waiting.pop(0)
+                running[suite, seed] = ctx.Process(target=report_to, args=(results, work or train_one, (
+                    args, suite, seed, data[suite], stages[suite], rates)), daemon=True)
+                running[suite, seed].start()
+            try:
+                suite, seed, found = results.get(timeout=1.0)
+            except queue.Empty:  # a process that ended without a result died (killed, out of memory, a bug)
+                for (suite, seed), p in running.items():
+                    if p.exitcode not in (None, 0):
+                        raise SystemExit(f"error: the process training {suite} seed {seed} died (exit code "
+                                         f"{p.exitcode}: killed, out of memory, or the error printed above); the "
+                                         f"finished (suite, seed)s are saved: run the same command to go on")
+                continue
+            running.pop((suite, seed)).join()
+            if isinstance(found, str):  # the process's SystemExit: its one line, as in one process
                 raise SystemExit(found)
             rows = in_order(rows + found)
             save_rows(rows_path, rows, args.run_key)
             left -= seconds[suite]
-            log(f"{suite} seed {seed} finished ({k} of {len(todo)}) | elapsed {(time.time() - t0) / 60:.1f} min | "
-                f"~{left / min(args.jobs, len(todo) - k or 1) / 60:.1f} min of training left")
+            done = len(todo) - len(waiting) - len(running)
+            log(f"{suite} seed {seed} finished ({done} of {len(todo)}) | elapsed {(time.time() - t0) / 60:.1f} min | "
+                f"~{left / max(1, min(args.jobs, len(todo) - done)) / 60:.1f} min of training left")
+    finally:
+        for p in running.values():  # stop the others now, not after their (suite, seed)s
+            p.terminate()
     return rows
 
 
+def report_to(results, work, task):
+    """A --jobs process: run one (suite, seed) and put what it gives on the parent's queue. It
+    ends itself if the parent goes (killed, or stopped by a signal), rather than train on unseen."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+    results.put(work(task))
+
+
 def train_one(task):
-    """One (suite, seed) in a process of train_in_processes: (suite, seed, its rows), or the line
-    of the SystemExit that stopped it."""
+    """One (suite, seed) in a process of its own: (suite, seed, its rows), or the line of the
+    SystemExit that stopped it."""
     args, suite, seed, data, stages, rates = task
     torch.set_float32_matmul_precision("high")
     torch.set_num_threads(args.threads)
