@@ -247,7 +247,8 @@ def test_jobs_train_the_same_rows_as_one_process_in_any_order(tmp_path):
 
 def test_a_worker_stopped_by_an_error_hands_its_one_line_to_the_parent(monkeypatch):
     """A SystemExit in a --jobs process (a NaN loss, a damaged checkpoint) comes back as its
-    line, which the parent raises; anything else propagates through the pool as it is."""
+    line, which the parent raises (next test); any other error ends the process, which the
+    parent reports as died."""
     def stops(P, args, seed, data, every_arm):
         raise SystemExit(f"error: [moe/arm s{seed}] loss is nan at step 2")
     monkeypatch.setitem(tt.SUITES, "moe", stops)
@@ -297,7 +298,8 @@ def running(pid):
 def test_jobs_processes_end_when_their_parent_is_killed(tmp_path):
     """kill -9 of the parent leaves no process training on unseen (each watches its parent)."""
     script = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import train_tiny as tt, test_train_tiny as t\n"
-              f"args = tt.parse(['--smoke', '--suite', 'moe', '--seeds', '2', '--jobs', '2', '--out', {str(tmp_path)!r}])\n"
+              f"args = tt.parse(['--smoke', '--suite', 'moe', '--seeds', '2', '--jobs', '2', "
+              f"'--out', {str(tmp_path)!r}])\n"
               f"tt.train_in_processes(args, [('moe', 0), ('moe', 1)], {{'moe': None}}, {{'moe': []}}, {{}}, [], None, "
               f"work=t.sleeps)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=HERE)
