@@ -101,17 +101,32 @@ def summarize(rows):
         paper.setdefault(r["effect"], r.get("paper", ""))
     out = []
     for (effect, arm, metric), by_seed in groups.items():
-        v = np.array(list(by_seed.values()), dtype=float)
-        s = dict(effect=effect, paper=paper[effect], arm=arm, metric=metric, mean=float(v.mean()),
-                 std=float(v.std(ddof=1)) if len(v) > 1 else 0.0, n=len(v), values=by_seed)
+        v = finite(by_seed.values())
+        s = dict(effect=effect, paper=paper[effect], arm=arm, metric=metric, mean=mean_std(v)[0], std=mean_std(v)[1],
+                 n=len(v), seeds=len(by_seed), values=by_seed)
         ref = groups.get((effect, first_arm[effect], metric))
         if arm != first_arm[effect] and ref:
-            d = np.array([by_seed[k] - ref[k] for k in by_seed if k in ref], dtype=float)
+            d = finite(by_seed[k] - ref[k] for k in by_seed if k in ref)
             if len(d):
-                s["delta_mean"], s["delta_std"] = float(d.mean()), float(d.std(ddof=1)) if len(d) > 1 else 0.0
+                s["delta_mean"], s["delta_std"] = mean_std(d)
         out.append(s)
     order = {e: i for i, e in enumerate(dict.fromkeys(r["effect"] for r in rows))}
     return sorted(out, key=lambda s: order[s["effect"]])  # stable: arms keep their order
+
+
+def finite(values):
+    """The finite values: a metric that has no value in a seed (a share of a gain that seed does not
+    have, a rate over no tokens) is nan there, and the summary is over the other seeds (the table
+    says how many)."""
+    v = np.array(list(values), dtype=float)
+    return v[np.isfinite(v)]
+
+
+def mean_std(v):
+    """Mean and standard deviation (n - 1) of v; nan for no values, std 0 for one."""
+    if not len(v):
+        return float("nan"), float("nan")
+    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
 
 
 def is_count(metric):
@@ -143,9 +158,14 @@ def table(summary, verdicts, header):
                 if s is None:
                     row.append("")
                     continue
+                if not s["n"]:
+                    row.append("no value")
+                    continue
                 cell = f"{fmt(m, s['mean'])} ± {fmt(m, s['std'])}"
                 if "delta_mean" in s and not is_count(m):
                     cell += f" (Δ {s['delta_mean']:+.4f} ± {s['delta_std']:.4f})"
+                if s["n"] < s["seeds"]:
+                    cell += f" ({s['n']} of {s['seeds']} seeds)"
                 row.append(cell)
             lines.append(f"| {arm} | " + " | ".join(row) + " |")
     if verdicts:

@@ -516,6 +516,18 @@ def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the
     assert report.interval95([1.0]) is None and report.interval95([1.0, float("nan")]) is None
 
 
+def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
+    # the decider's "share of AlwaysThink's gain" is nan in a seed where AlwaysThink gains nothing
+    fx = tt.TAH.routing
+    rows = [dict(effect=fx.name, paper="", arm=tt.STANDARD, metric="acc", seed=s, value=0.5) for s in range(3)]
+    rows += [dict(effect=fx.name, paper="", arm=tt.TAH_DECIDER, metric="share", seed=s, value=v)
+             for s, v in enumerate([0.5, float("nan"), 1.5])]
+    rows += [dict(effect=fx.name, paper="", arm=tt.TAH_DECIDER, metric="none", seed=s, value=float("nan"))
+             for s in range(3)]
+    s = {x["metric"]: x for x in report.summarize(rows)}
+    assert (s["share"]["mean"], s["share"]["std"], s["share"]["n"], s["share"]["seeds"]) == (1.0, np.sqrt(0.5), 2, 3)
+    md = report.table(report.summarize(rows), [], "")
+    assert "1.0000 ± 0.7071 (2 of 3 seeds)" in md and "no value" in md and "nan" not in md
 # -----------------------------------------------------------------------------
 # bad input
 
