@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -312,6 +313,42 @@ def test_jobs_processes_end_when_their_parent_is_killed(tmp_path):
     assert all(running(p) for p in pids)
     parent.kill()
     parent.wait()
+    for _ in range(100):
+        if not any(running(p) for p in pids):
+            break
+        time.sleep(0.1)
+    assert not any(running(p) for p in pids)
+
+
+def sleeping_suite(P, args, seed, data, every_arm):  # a suite that trains for long (one process: from planning on)
+    (Path(args.out) / f"pid{seed}").write_text(str(os.getpid()))
+    time.sleep(120)
+    return []
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_ctrl_c_stops_the_run_with_one_line_and_leaves_no_process(jobs, tmp_path):
+    """Ctrl-C (SIGINT to the run's whole process group, as a terminal sends it): exit code 130,
+    one line, no traceback from the parent or a --jobs process, and no process left."""
+    script = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import train_tiny as tt, test_train_tiny as t\n"
+              + ("tt.train_one = t.sleeps\n" if jobs > 1 else "tt.SUITES['moe'] = t.sleeping_suite\n") +
+              f"tt.main(['--smoke', '--suite', 'moe', '--seeds', '{jobs}', '--jobs', '{jobs}', "
+              f"'--out', {str(tmp_path)!r}])\n")
+    run = subprocess.Popen([sys.executable, "-c", script], cwd=HERE, start_new_session=True, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    files = [tmp_path / f"pid{s}" for s in range(jobs)]
+    for _ in range(1200):
+        if all(f.exists() and f.read_text() for f in files):
+            break
+        time.sleep(0.1)
+    pids = [int(f.read_text()) for f in files]
+    time.sleep(0.5)
+    os.killpg(run.pid, signal.SIGINT)
+    out, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.count("interrupted: what finished is saved") == 1, err
     for _ in range(100):
         if not any(running(p) for p in pids):
             break

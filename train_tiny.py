@@ -17,6 +17,7 @@ the paper's figure beside them) are printed as a markdown table and written to
 """
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import json
@@ -26,6 +27,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -1037,6 +1039,10 @@ def main(argv=None):
             args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
     try:  # the file system's errors (a path that is a folder, no permission, a full disk): one line each
         run(args, argv)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (--jobs processes are stopped on the way out)
+        print("interrupted: what finished is saved (rows after each (suite, seed), checkpoints every --ckpt_every "
+              "steps); run the same command to go on", file=sys.stderr)
+        raise SystemExit(130)
     except OSError as e:
         raise SystemExit(f"error: {e.strerror or e} ({e.filename or 'a file of this run'}); nothing of the step that "
                          "met it is saved")
@@ -1106,7 +1112,8 @@ def train_in_processes(args, todo, data, stages, rates, rows, rows_path, work=No
                 suite, seed = waiting.pop(0)
                 running[suite, seed] = ctx.Process(target=report_to, args=(results, work or train_one, (
                     args, suite, seed, data[suite], stages[suite], rates)), daemon=True)
-                running[suite, seed].start()
+                with ignoring_ctrl_c():  # the process inherits it: Ctrl-C stops the parent, which stops it
+                    running[suite, seed].start()
             try:
                 suite, seed, found = results.get(timeout=1.0)
             except queue.Empty:  # a process that ended without a result died (killed, out of memory, a bug)
@@ -1129,6 +1136,18 @@ def train_in_processes(args, todo, data, stages, rates, rows, rows_path, work=No
         for p in running.values():  # stop the others now, not after their (suite, seed)s
             p.terminate()
     return rows
+
+
+@contextlib.contextmanager
+def ignoring_ctrl_c():
+    """SIGINT ignored while a --jobs process starts: a process started with it ignored keeps it
+    ignored (Python installs its KeyboardInterrupt only where the parent left SIGINT alone), so
+    Ctrl-C, which the terminal sends to every process of the run, prints one line, the parent's."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def report_to(results, work, task):
