@@ -102,8 +102,9 @@ def summarize(rows):
     out = []
     for (effect, arm, metric), by_seed in groups.items():
         v = finite(by_seed.values())
-        s = dict(effect=effect, paper=paper[effect], arm=arm, metric=metric, mean=mean_std(v)[0], std=mean_std(v)[1],
-                 n=len(v), seeds=len(by_seed), values=by_seed)
+        mean, std = mean_std(v)
+        s = dict(effect=effect, paper=paper[effect], arm=arm, metric=metric, mean=mean, std=std, n=len(v),
+                 seeds=len(by_seed), values=by_seed)
         ref = groups.get((effect, first_arm[effect], metric))
         if arm != first_arm[effect] and ref:
             d = finite(by_seed[k] - ref[k] for k in by_seed if k in ref)

@@ -330,8 +330,11 @@ def sleeping_suite(P, args, seed, data, every_arm):  # a suite that trains for l
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_ctrl_c_stops_the_run_with_one_line_and_leaves_no_process(jobs, tmp_path):
     """Ctrl-C (SIGINT to the run's whole process group, as a terminal sends it): exit code 130,
-    one line, no traceback from the parent or a --jobs process, and no process left."""
-    script = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import train_tiny as tt, test_train_tiny as t\n"
+    one line, no traceback from the parent or a --jobs process, and no process left. The run starts
+    with Python's own SIGINT handler, as from a terminal (a shell's background job, such as a test
+    run started with &, would pass SIGINT ignored on to it)."""
+    script = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              f"import sys; sys.path.insert(0, {str(HERE)!r}); import train_tiny as tt, test_train_tiny as t\n"
               + ("tt.train_one = t.sleeps\n" if jobs > 1 else "tt.SUITES['moe'] = t.sleeping_suite\n") +
               f"tt.main(['--smoke', '--suite', 'moe', '--seeds', '{jobs}', '--jobs', '{jobs}', "
               f"'--out', {str(tmp_path)!r}])\n")
