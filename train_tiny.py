@@ -1040,8 +1040,9 @@ def main(argv=None):
     try:  # the file system's errors (a path that is a folder, no permission, a full disk): one line each
         run(args, argv)
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (--jobs processes are stopped on the way out)
-        print("interrupted: what finished is saved (rows after each (suite, seed), checkpoints every --ckpt_every "
-              "steps); run the same command to go on", file=sys.stderr)
+        if MASTER:  # under torchrun every rank gets it
+            print("interrupted: what finished is saved (rows after each (suite, seed), checkpoints every "
+                  "--ckpt_every steps); run the same command to go on", file=sys.stderr)
         raise SystemExit(130)
     except OSError as e:
         raise SystemExit(f"error: {e.strerror or e} ({e.filename or 'a file of this run'}); nothing of the step that "
