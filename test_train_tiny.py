@@ -295,6 +295,24 @@ def running(pid):
         return False
 
 
+def pids_written(files):
+    """The pids a test's processes wrote into files, once every file holds one (120 s at most)."""
+    for _ in range(1200):
+        if all(f.exists() and f.read_text() for f in files):
+            break
+        time.sleep(0.1)
+    return [int(f.read_text()) for f in files]
+
+
+def all_ended(pids):
+    """Whether every process has ended within 10 s."""
+    for _ in range(100):
+        if not any(running(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_jobs_processes_end_when_their_parent_is_killed(tmp_path):
     """kill -9 of the parent leaves no process training on unseen (each watches its parent)."""
@@ -304,20 +322,11 @@ def test_jobs_processes_end_when_their_parent_is_killed(tmp_path):
               f"tt.train_in_processes(args, [('moe', 0), ('moe', 1)], {{'moe': None}}, {{'moe': []}}, {{}}, [], None, "
               f"work=t.sleeps)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=HERE)
-    files = [tmp_path / "pid0", tmp_path / "pid1"]
-    for _ in range(600):
-        if all(f.exists() and f.read_text() for f in files):
-            break
-        time.sleep(0.1)
-    pids = [int(f.read_text()) for f in files]
+    pids = pids_written([tmp_path / "pid0", tmp_path / "pid1"])
     assert all(running(p) for p in pids)
     parent.kill()
     parent.wait()
-    for _ in range(100):
-        if not any(running(p) for p in pids):
-            break
-        time.sleep(0.1)
-    assert not any(running(p) for p in pids)
+    assert all_ended(pids)
 
 
 def sleeping_suite(P, args, seed, data, every_arm):  # a suite that trains for long (one process: from planning on)
@@ -340,23 +349,14 @@ def test_ctrl_c_stops_the_run_with_one_line_and_leaves_no_process(jobs, tmp_path
               f"'--out', {str(tmp_path)!r}])\n")
     run = subprocess.Popen([sys.executable, "-c", script], cwd=HERE, start_new_session=True, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    files = [tmp_path / f"pid{s}" for s in range(jobs)]
-    for _ in range(1200):
-        if all(f.exists() and f.read_text() for f in files):
-            break
-        time.sleep(0.1)
-    pids = [int(f.read_text()) for f in files]
+    pids = pids_written([tmp_path / f"pid{s}" for s in range(jobs)])
     time.sleep(0.5)
     os.killpg(run.pid, signal.SIGINT)
     out, err = run.communicate(timeout=60)
     assert run.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert err.count("interrupted: what finished is saved") == 1, err
-    for _ in range(100):
-        if not any(running(p) for p in pids):
-            break
-        time.sleep(0.1)
-    assert not any(running(p) for p in pids)
+    assert all_ended(pids)
 
 
 def test_jobs_default_to_the_cores_per_thread_and_refuse_torchrun(monkeypatch, capsys):
@@ -564,7 +564,11 @@ def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
              for s, v in enumerate([0.5, float("nan"), 1.5])]
     rows += [dict(effect=fx.name, paper="", arm=tt.TAH_DECIDER, metric="none", seed=s, value=float("nan"))
              for s in range(3)]
+    rows += [dict(effect=fx.name, paper="", arm=tt.TAH_DECIDER, metric="acc", seed=s, value=v)
+             for s, v in enumerate([0.6, float("nan"), 0.8])]
     s = {x["metric"]: x for x in report.summarize(rows)}
+    acc = next(x for x in report.summarize(rows) if x["arm"] == tt.TAH_DECIDER and x["metric"] == "acc")
+    assert (acc["delta_mean"], acc["delta_std"]) == pytest.approx((0.2, np.sqrt(0.02)))  # (0.1, 0.3) by hand
     assert (s["share"]["mean"], s["share"]["std"], s["share"]["n"], s["share"]["seeds"]) == (1.0, np.sqrt(0.5), 2, 3)
     md = report.table(report.summarize(rows), [], "")
     assert "1.0000 ± 0.7071 (2 of 3 seeds)" in md and "no value" in md and "nan" not in md
