@@ -566,12 +566,15 @@ def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
              for s in range(3)]
     rows += [dict(effect=fx.name, paper="", arm=tt.TAH_DECIDER, metric="acc", seed=s, value=v)
              for s, v in enumerate([0.6, float("nan"), 0.8])]
-    s = {x["metric"]: x for x in report.summarize(rows)}
-    acc = next(x for x in report.summarize(rows) if x["arm"] == tt.TAH_DECIDER and x["metric"] == "acc")
+    summary = report.summarize(rows)
+    s = {x["metric"]: x for x in summary}
+    acc = next(x for x in summary if x["arm"] == tt.TAH_DECIDER and x["metric"] == "acc")
     assert (acc["delta_mean"], acc["delta_std"]) == pytest.approx((0.2, np.sqrt(0.02)))  # (0.1, 0.3) by hand
     assert (s["share"]["mean"], s["share"]["std"], s["share"]["n"], s["share"]["seeds"]) == (1.0, np.sqrt(0.5), 2, 3)
-    md = report.table(report.summarize(rows), [], "")
+    md = report.table(summary, [], "")
     assert "1.0000 ± 0.7071 (2 of 3 seeds)" in md and "no value" in md and "nan" not in md
+
+
 # -----------------------------------------------------------------------------
 # bad input
 
