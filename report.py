@@ -182,6 +182,11 @@ def table(summary, verdicts, header):
     return "\n".join(lines)
 
 
+def cell(text):
+    """A token as a markdown table cell."""
+    return "`" + text.replace("\n", "⏎").replace("|", "\\|").replace("`", "'") + "`"
+
+
 def pyplot():
     """matplotlib's pyplot without a screen, or None where matplotlib is missing (no plots)."""
     try:

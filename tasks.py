@@ -287,6 +287,20 @@ class Lookups:
         return (x >= self.query0) & (x < self.sep)
 
 
+def answer_exact(ok, y, problem_len, answers):
+    """Per problem: every answer right (only problems whose `answers` targets all lie in the
+    block). A greedy decode of the answers is right iff every teacher-forced answer is, so this
+    is also greedy decoding's exact match."""
+    keep = y != -1
+    pid = (torch.arange(1, y.size(1) + 1, device=y.device) // problem_len).expand_as(y)
+    pid = pid + torch.arange(y.size(0), device=y.device)[:, None] * (y.size(1) // problem_len + 2)
+    pid, good = pid[keep], ok[keep]
+    ids, count = pid.unique(return_counts=True)
+    wrong = torch.zeros_like(ids).index_add_(0, torch.searchsorted(ids, pid), (~good).long())
+    complete = count == answers
+    return (wrong[complete] == 0).float().mean().item() if complete.any() else float("nan")
+
+
 def atomic(path, write):
     """Write through a temporary file and rename: a killed run never leaves half a file."""
     path = Path(path)

@@ -1,0 +1,300 @@
+"""
+The ablations and contrasts of train_tiny.py: what `--suite all` runs beside the headline.
+
+Built from the same pieces as the headline demonstrations (a Suite each, train_tiny.py):
+- the headline suites' extra arms, trained in the same (suite, seed) after the headline arms:
+  HD's layouts, objectives and shared KV, each continued from the n=1 checkpoint as the paper
+  runs them (HD Tables 4-6), and HD n = 1, 2, 4 from scratch (the contrast); TaH's attention
+  ablations under oracle routing (TaH Table 2);
+- suites of their own: TaH on addition (the contrast: no TaH premise), the MoE backbone's
+  loss-free balancing and KV-Mirror, HD's progressive protocol 1 -> 2 -> 4 (HD §2.3, §4.3), and
+  TaH-3 against TaH-2 on three-hop lookups (TaH App. A.2.1).
+
+SUITES at the bottom is every suite the runner knows, in the order the report lists them.
+"""
+
+import copy
+from dataclasses import replace
+
+import torch
+
+import train_tiny as tt
+from hd import HiddenDecoding, HDConfig, expand_streams
+from moe import ModelConfig, Transformer
+from report import Claim, Effect
+from tasks import Arith, Lookups
+from tah import ThinkAtHard
+from train_tiny import Suite, backbone_cfg, lm_loss, result_rows, train
+from trainer import evaluate
+
+
+# -----------------------------------------------------------------------------
+# HD: the ablation tables, continued from the n=1 checkpoint (HD Tables 4-6), and from scratch
+
+
+HD_SCRATCH = Effect("HD: expansion factor n, from scratch",
+                    "HD is continued pretraining; from scratch is this project's contrast")
+HD_LAYOUTS_CONT = Effect("HD: stream-factorized layouts (n=2, continued from the n=1 checkpoint)",
+                         "21B avg: baseline 54.33; SF(1) +1.55, SF(4) +2.16, all-full +2.62 (HD Table 4)")
+HD_OBJECTIVE_CONT = Effect("HD: training objective (n=2, continued from the n=1 checkpoint)",
+                           "loss: final 1.874 < sum 1.877 < all 1.880 (HD Table 5)")
+HD_KV_CONT = Effect("HD: per-stream vs shared KV (n=2, continued from the n=1 checkpoint)",
+                    "avg: per-stream 64.23 vs shared 63.46 (1 full layer) (HD Table 6)")
+NO_EXPANSION = "no expansion (n=1 continued)"
+ALL_FULL, FEW_FULL = "layout all-full (every layer F)", "layout few-full (--layout, the default)"
+ONE_FULL, ALL_INTRA = "layout one-full (the last layer F, the others I)", "layout all-intra (every layer I)"
+PER_STREAM_KV, SHARED_KV = "per-stream KV", "shared KV"
+
+
+def hd_scratch_arms():
+    """The contrast, n = 1, 2, 4 trained from scratch for P.iters steps, as (arm, n)."""
+    return [(f"n={n} from scratch", n) for n in tt.HD_CONT_NS]
+
+
+def hd_continued_ablation_arms(P):
+    """The ablations as the paper runs them (HD Tables 4-6: continued pretraining), each an n=2
+    model expanded from the n=1 checkpoint and continued for P.hd_cont_iters steps, as (effect,
+    arm, how): how is a dict of expand_streams overrides, or an int n whose headline arm this arm
+    is (layout P.layout, objective final, per-stream KV), its rows reused."""
+    L = P.n_layer
+    layouts = [(ALL_FULL, "F" * L), (FEW_FULL, P.layout), (ONE_FULL, "I" * (L - 1) + "F"), (ALL_INTRA, "I" * L)]
+    return ([(HD_LAYOUTS_CONT, NO_EXPANSION, 1)]
+            + [(HD_LAYOUTS_CONT, arm, 2 if lay == P.layout else dict(layout=lay)) for arm, lay in layouts]
+            + [(HD_OBJECTIVE_CONT, f"objective {o}", 2 if o == "final" else dict(objective=o))
+               for o in ("final", "all", "sum")]
+            + [(HD_KV_CONT, PER_STREAM_KV, 2), (HD_KV_CONT, SHARED_KV, dict(shared_kv=True))])
+
+
+def hd_ablations(P, args, seed, data, trained):
+    """The HD suite's extra arms: each continued ablation from the headline's n=1 checkpoint on
+    the headline's batches, then the from-scratch contrast."""
+    rows = []
+    for effect, arm, how in hd_continued_ablation_arms(P):
+        if not isinstance(how, dict):  # a headline arm, already trained
+            rows += result_rows(effect, arm, seed, trained["headline"][how])
+            continue
+        model = expand_streams(trained["base"], 2, **how).to(args.device)
+        train(f"hd/n=2 continued, {arm}", model, lm_loss, data, tt.continuation(P), args, seed,
+              first_batch=P.hd_base_iters)
+        rows += result_rows(effect, arm, seed, evaluate(model, data, P, args))
+    for arm, n in hd_scratch_arms():
+        torch.manual_seed(seed)
+        cfg = HDConfig(**backbone_cfg(P, data.vocab_size, layout=P.layout, window=P.window, n_streams=n))
+        model = HiddenDecoding(cfg).to(args.device)
+        train(f"hd/{arm}", model, lm_loss, data, P, args, seed)
+        rows += result_rows(HD_SCRATCH, arm, seed, evaluate(model, data, P, args))
+    return rows
+
+
+# the paper's order in each ablation table (held-out loss, lower is better)
+HD_ABLATION_CLAIMS = [
+    Claim("HD layouts: one full layer (SF(1)) still beats no expansion", HD_LAYOUTS_CONT, ONE_FULL, NO_EXPANSION,
+          "loss", -1),
+    Claim("HD layouts: the default few-full (SF) beats one full layer", HD_LAYOUTS_CONT, FEW_FULL, ONE_FULL, "loss", -1),
+    Claim("HD layouts: all-full beats few-full (the paper: by little)", HD_LAYOUTS_CONT, ALL_FULL, FEW_FULL, "loss", -1),
+    Claim("HD objectives: final-stream loss beats sum", HD_OBJECTIVE_CONT, "objective final", "objective sum", "loss",
+          -1),
+    Claim("HD objectives: sum beats all-token loss", HD_OBJECTIVE_CONT, "objective sum", "objective all", "loss", -1),
+    Claim("HD: per-stream KV beats shared KV", HD_KV_CONT, PER_STREAM_KV, SHARED_KV, "loss", -1),
+]
+
+
+# -----------------------------------------------------------------------------
+# HD's progressive protocol: 1 -> 2 -> 4, each stage from the previous one (HD §2.3, §4.3)
+
+
+HD_PROG = Effect("HD: progressive expansion 1 -> 2 -> 4, each stage continued from the previous stage's checkpoint",
+                 "HD §2.3, §4.3 (Fig. 4b): each expansion lowers the loss further; n=1 continues as the control")
+
+
+def prog_arm(n, stage):
+    return f"n={n} after stage {stage}"
+
+
+def hd_progressive(P, args, seed, data):
+    """HD as the paper scales it: the n=1 backbone, then stage 1 (n=2 expanded from it) and
+    stage 2 (n=4 expanded from stage 1's n=2), P.hd_cont_iters steps each on the next batches.
+    On the same batches for the same steps: n=1 through both stages (the control), and n=2
+    through stage 2 (so that n=4 meets n=2 at equal steps)."""
+    base = tt.hd_backbone(P, args, seed, data, "hd-progressive")
+    rows, models = [], {n: expand_streams(base, n).to(args.device) for n in (1, 2)}
+    for stage in (1, 2):
+        if stage == 2:  # n=4 from stage 1's n=2, before that one trains on
+            models[4] = expand_streams(models[2], 4).to(args.device)
+        for n, model in models.items():
+            train(f"hd-progressive/n={n} stage {stage}", model, lm_loss, data, tt.continuation(P), args, seed,
+                  first_batch=P.hd_base_iters + (stage - 1) * P.hd_cont_iters)
+            rows += result_rows(HD_PROG, prog_arm(n, stage), seed, evaluate(model, data, P, args))
+    return rows, {}
+
+
+HD_PROG_CLAIMS = [
+    Claim("HD progressive: n=2 beats n=1 after stage 1", HD_PROG, prog_arm(2, 1), prog_arm(1, 1), "loss", -1),
+    Claim("HD progressive: n=4 (from n=2) beats n=1 after stage 2", HD_PROG, prog_arm(4, 2), prog_arm(1, 2), "loss", -1),
+    Claim("HD progressive: gain grows with n: n=4 beats n=2 after stage 2", HD_PROG, prog_arm(4, 2), prog_arm(2, 2),
+          "loss", -1),
+]
+
+
+# -----------------------------------------------------------------------------
+# TaH: attention ablations (TaH Table 2), and addition, the contrast
+
+
+ADDITION = "addition, answer digits; the contrast"
+TAH_ADD_FX = tt.tah_effects(ADDITION)
+ATTENTION = {tag: Effect(f"TaH: duo-causal vs ablations, oracle routing ({task})",
+                         "avg: duo-causal 35.9 vs causal (depth-1 keys) 30.5 (TaH Table 2)")
+             for tag, task in (("tah", "in-context lookups, answers"), ("tah-add", ADDITION))}
+TAH_ATTENTION_ABLATIONS = ("first_depth", "depth_local")  # beside duo-causal
+
+
+def tah_attention_ablations(P, args, seed, data, trained):
+    """A TaH suite's extra arms: stage 1 again from the base under each attention ablation, on the
+    same batches, evaluated under oracle routing beside the duo-causal model."""
+    t, rows = trained, []
+    for attention in TAH_ATTENTION_ABLATIONS:
+        m = t["from_base"](attention)
+        train(f"{t['tag']}/TaH stage 1, {attention}", m, t["stage1"], data, t["sft"], args, seed, **t["later"])
+        if attention == "first_depth":
+            rows += result_rows(ATTENTION[t["tag"]], "duo-causal", seed, t["ev"](t["models"]["tah"], "oracle")[0])
+        rows += result_rows(ATTENTION[t["tag"]], attention.replace("_", "-"), seed, t["ev"](m, "oracle")[0])
+    return rows
+
+
+def attention_claim(tag, task):
+    return Claim(f"{task}: duo-causal attention beats first-depth keys (oracle routing)", ATTENTION[tag],
+                 "duo-causal", "first-depth", "acc", +1)
+
+
+def tah_addition(P, args, seed, data):
+    """The contrast: TaH on addition. An answer digit's extra work is the carry chain over the
+    operands, not a refinement at the digit's own position, so iterating only the hard digits
+    (whose operands never iterate: they have no target) cannot supply it."""
+    return tt.tah_protocol(P, args, seed, data, "tah-add", TAH_ADD_FX, P.add_layers)
+
+
+# -----------------------------------------------------------------------------
+# TaH-3 vs TaH-2 (TaH App. A.2.1, Table 7): a third pass, for three-hop lookups
+
+
+TAH3 = Effect("TaH-3 vs TaH-2: lookups with one-, two- and three-hop queries (decider routing)",
+              "Qwen3-1.7B avg acc: Standard 47.8; TaH-2 52.8 (5.8% of tokens at 2 passes); TaH-3 53.6 (5.7% at 2, "
+              "0.2% at 3) (TaH Table 7)")
+TAH2_ARM, TAH3_ARM = "TaH-2 (max 2 passes)", "TaH-3 (max 3 passes)"
+DEEPER = "passes, three-hop minus two-hop"
+
+
+def tah3_protocol(P, args, seed, data):
+    """TaH-3 against TaH-2 on lookups with three-hop queries (a one-layer model follows one link
+    per pass, so a three-hop answer needs three). One base and one Standard fine-tune (the oracle's
+    reference), then from the base on the same batches: TaH-2 (hard tokens 2 passes) and TaH-3
+    (hard tokens binned per sample by the reference's CE into 2 and 3 passes, App. A.2.1), each
+    through stage 1 and stage 2."""
+    stages = tt.tah_stages(P, data)
+    cfg = tt.tah_config(P, data, P.tah_layers)
+    base = tt.tah_base(P, args, seed, data, cfg, "tah3", stages)
+    models = {}
+    for arm, depth in ((tt.STANDARD, 1), (TAH2_ARM, 2), (TAH3_ARM, 3)):
+        models[arm] = ThinkAtHard(replace(cfg, max_depth=max(depth, 2))).to(args.device)
+        models[arm].load_state_dict(base.state_dict())
+        if depth == 1:
+            train("tah3/Standard", models[arm], tt.standard_loss, data, stages[1], args, seed,
+                  first_batch=stages[0].iters)
+            ref = copy.deepcopy(models[arm]).eval().requires_grad_(False)
+        else:
+            tt.train_tah(f"tah3/{arm}", models[arm], tt.Oracle(ref, depth, data), data, stages, args, seed)
+    return [r for arm, m in models.items()
+            for r in result_rows(TAH3, arm, seed, tah_by_hops(m, data, stages[0], args, arm != tt.STANDARD))], {}
+
+
+@torch.no_grad()
+def tah_by_hops(model, data, P, args, decider):
+    """Answer accuracy and passes per query by hop count, and the share of all positions at 2 and
+    at 3 passes, over the evaluation batches (decider routing, or standard)."""
+    model.eval()
+    ok, passes, kinds, depths = [], [], [], []
+    for x, y in tt.eval_batches(data, P, args):
+        out = model(x, y, mode="decider" if decider else "standard")
+        keep = y != -1
+        ok.append((out.logits.argmax(-1) == y)[keep])
+        passes.append(out.depths[keep])
+        kinds.append(data.hops(x)[keep])
+        depths.append(out.depths.flatten())
+    model.train()
+    ok, passes, kinds, depths = (torch.cat(v) for v in (ok, passes, kinds, depths))
+    r = {"acc": ok.float().mean().item()}
+    for h in range(1, data.max_hops + 1):
+        name = {1: "one", 2: "two", 3: "three"}[h]
+        r[f"acc, {name}-hop"] = ok[kinds == h].float().mean().item()
+        r[f"passes, {name}-hop"] = passes[kinds == h].float().mean().item()
+    if data.max_hops == 3:
+        r[DEEPER] = r["passes, three-hop"] - r["passes, two-hop"]
+    return {**r, "positions at 2 passes": (depths == 2).float().mean().item(),
+            "positions at 3 passes": (depths == 3).float().mean().item()}
+
+
+TAH3_CLAIMS = [
+    Claim("TaH-3 beats TaH-2 on three-hop answers", TAH3, TAH3_ARM, TAH2_ARM, "acc, three-hop", +1),
+    Claim("TaH-3 gives three-hop queries more passes than two-hop ones", TAH3, TAH3_ARM, 0, DEEPER, +1),
+    Claim("TaH-3 beats TaH-2 on all answers", TAH3, TAH3_ARM, TAH2_ARM, "acc", +1),
+]
+
+
+# -----------------------------------------------------------------------------
+# MoE: loss-free balancing (and, as an extra arm, KV-Mirror off)
+
+
+MOE_BALANCE = Effect("MoE: loss-free balancing", "the bias keeps experts balanced without an auxiliary loss (DeepSeek-V3 §2.1.2)")
+MOE_MIRROR = Effect("MoE: KV-Mirror", "WeLM: KV-Mirror beats direct K/V reuse (blog; no number given)")
+MOE_LOAD = "max/mean expert load (held-out batches)"
+MOE_OFF, MOE_ON = "bias update off", "bias update on"
+
+
+def moe_arm(P, args, seed, data, arm, **overrides):
+    """One backbone from scratch for P.iters steps: its held-out metrics and expert load."""
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(**backbone_cfg(P, data.vocab_size, **overrides))).to(args.device)
+    train(f"moe/{arm}", model, lm_loss, data, P, args, seed)
+    loads = []
+
+    def watch(m, x, y):  # the trained model's expert loads on each held-out batch
+        out = m(x, y)[:2]
+        loads.append(m.expert_load().float().cpu())
+        return out
+    r = evaluate(model, data, P, args, watch)
+    load = torch.stack(loads)  # (batches, layers, experts)
+    return {**r, MOE_LOAD: (load.max(-1).values / load.mean(-1)).mean().item()}
+
+
+def moe_protocol(P, args, seed, data):
+    """Loss-free balancing off vs on, each from scratch."""
+    off = moe_arm(P, args, seed, data, MOE_OFF, balance_gamma=0.0)
+    on = moe_arm(P, args, seed, data, MOE_ON, balance_gamma=1e-3)
+    return result_rows(MOE_BALANCE, MOE_OFF, seed, off) + result_rows(MOE_BALANCE, MOE_ON, seed, on), {MOE_ON: on}
+
+
+def moe_mirror(P, args, seed, data, trained):
+    """The extra arm: KV-Mirror off; its baseline, KV-Mirror on, is the "bias update on" model."""
+    off = moe_arm(P, args, seed, data, "KV-Mirror off", balance_gamma=1e-3, kv_mirror=False)
+    return (result_rows(MOE_MIRROR, "KV-Mirror on", seed, {k: trained[MOE_ON][k] for k in ("loss", "acc")})
+            + result_rows(MOE_MIRROR, "KV-Mirror off", seed, {k: off[k] for k in ("loss", "acc")}))
+
+
+MOE_CLAIMS = [Claim("loss-free bias balances the experts", MOE_BALANCE, MOE_ON, MOE_OFF, MOE_LOAD, -1)]
+
+
+# -----------------------------------------------------------------------------
+# Every suite, in the report's order: the headline suites with their extra arms, then the rest
+
+
+SUITES = [
+    replace(tt.HD, extra=hd_ablations, claims=tt.HD.claims + HD_ABLATION_CLAIMS),
+    replace(tt.TAH, extra=tah_attention_ablations, claims=tt.TAH.claims + [attention_claim("tah", "TaH, lookups")]),
+    Suite("tah-add", tah_addition, tt.tah_claims(TAH_ADD_FX, "TaH, addition") + [attention_claim("tah-add",
+          "TaH, addition")], task=lambda P: Arith(P.digits), batch="tah_batch", extra=tah_attention_ablations,
+          plots=[tt.plot_tah_tradeoff], outputs=("tah_tradeoff.png",)),
+    Suite("moe", moe_protocol, MOE_CLAIMS, extra=moe_mirror),
+    Suite("hd-progressive", hd_progressive, HD_PROG_CLAIMS),
+    Suite("tah3", tah3_protocol, TAH3_CLAIMS, task=lambda P: Lookups(P.symbols, P.queries, P.two_hop, P.three_hop),
+          batch="tah_batch"),
+]
