@@ -19,7 +19,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+import ablations
 import report
+import runner
 import tasks
 import train_tiny as tt
 import trainer
@@ -86,7 +88,7 @@ def test_shakespeare_comes_from_the_package_with_a_checked_tokenizer(tmp_path):
 @given(S=st.integers(3, 9), Q=st.integers(1, 6), two_hop=st.floats(0.0, 0.6), three_hop=st.sampled_from([0.0, 0.2, 0.39]),
        seed=st.integers(0, 10_000), T=st.integers(4, 90))
 def test_lookup_answers_are_a_walk_of_the_listed_pairs(S, Q, two_hop, three_hop, seed, T):
-    task = tt.Lookups(S, Q, two_hop, three_hop)
+    task = tasks.Lookups(S, Q, two_hop, three_hop)
     H = 3 if three_hop else 2  # hop counts the query ids cover
     x, y = task.batch("train", 3, T, torch.Generator().manual_seed(seed))
     assert x.shape == y.shape == (3, T) and x.max() < task.vocab_size == S * S + (H + 1) * S + 1
@@ -129,7 +131,7 @@ def test_tah3_oracle_bins_each_problems_hard_answers_by_reference_ce(seed):
     reference's wrong answers sorted by its CE, the higher half 3 passes, the rest 2 (the larger
     bin first); every other position 1 pass. Brute force over the rows."""
     torch.manual_seed(seed)
-    task = tt.Lookups(6, 4, 0.3, 0.3)
+    task = tasks.Lookups(6, 4, 0.3, 0.3)
     x, y = task.batch("train", 3, 3 * task.problem_len, torch.Generator().manual_seed(seed))
     ref = tt.ThinkAtHard(tt.tah_config(tt.PRESETS["default"], task, 1)).eval()
     got = tt.Oracle(ref, 3, task)(x, y)
@@ -146,7 +148,7 @@ def test_tah3_oracle_bins_each_problems_hard_answers_by_reference_ce(seed):
 @settings(max_examples=25, deadline=None)
 @given(digits=st.integers(1, 5), seed=st.integers(0, 10_000), T=st.integers(8, 80))
 def test_arith_answers_are_correct_by_construction(digits, seed, T):
-    task = tt.Arith(digits)
+    task = tasks.Arith(digits)
     x, y = task.batch("train", 3, T, torch.Generator().manual_seed(seed))
     assert x.shape == y.shape == (3, T)
     for row_x, row_y in zip(x.tolist(), y.tolist()):
@@ -177,7 +179,7 @@ def small(seed=0):
 
 def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path):
     P = tt.Preset(block=16, batch=4, iters=6, warmup=2, lr=3e-3)
-    data = tt.Arith(2)
+    data = tasks.Arith(2)
     args = lambda d: Namespace(device="cpu", run_dir=d, muon=False, accum=2, log_every=100, ckpt_every=1)
     straight = tt.train("arm", small(), tt.lm_loss, data, P, args(tmp_path / "a"), seed=3)
 
@@ -215,7 +217,7 @@ def test_two_process_ddp_has_its_own_run_and_equals_one_process(suite, tmp_path)
     ck1, ck2 = (sorted(r.glob("ckpt/*.pt")) for r in runs)
     assert [p.name for p in ck1] == [p.name for p in ck2] and ck1
     for a, b in zip(ck1, ck2):
-        np.testing.assert_allclose(tt.load_checkpoint(a)["losses"], tt.load_checkpoint(b)["losses"], rtol=1e-3, atol=1e-5)
+        np.testing.assert_allclose(trainer.load_checkpoint(a)["losses"], trainer.load_checkpoint(b)["losses"], rtol=1e-3, atol=1e-5)
     rows1, rows2 = (json.loads((r / "rows.json").read_text())["rows"] for r in runs)
     assert [(r["arm"], r["metric"]) for r in rows1] == [(r["arm"], r["metric"]) for r in rows2]
     # losses only: a count or a share can move by one token where a score sits at a threshold
@@ -240,7 +242,7 @@ def test_jobs_train_the_same_rows_as_one_process_in_any_order(tmp_path):
     md = [(tmp_path / d / "results.md").read_text().split("\n", 1)[1] for d in ("one", "two")]
     assert md[0] == md[1]
     doc = json.loads((one / "rows.json").read_text())  # keep only hd seed 1: the rest finishes after it
-    tt.save_rows(one / "rows.json", [r for r in doc["rows"] if (r["suite"], r["seed"]) == ("hd", 1)], doc["run"])
+    runner.save_rows(one / "rows.json", [r for r in doc["rows"] if (r["suite"], r["seed"]) == ("hd", 1)], doc["run"])
     tt.main(argv + ["--jobs", "1", "--out", str(tmp_path / "one")])
     assert json.loads((one / "rows.json").read_text())["rows"] == rows[1]
     assert (tmp_path / "one" / "results.md").read_text().split("\n", 1)[1] == md[1]
@@ -250,12 +252,12 @@ def test_a_worker_stopped_by_an_error_hands_its_one_line_to_the_parent(monkeypat
     """A SystemExit in a --jobs process (a NaN loss, a damaged checkpoint) comes back as its
     line, which the parent raises (next test); any other error ends the process, which the
     parent reports as died."""
-    def stops(P, args, seed, data, every_arm):
+    def stops(P, args, seed, data):
         raise SystemExit(f"error: [moe/arm s{seed}] loss is nan at step 2")
-    monkeypatch.setitem(tt.SUITES, "moe", stops)
+    monkeypatch.setitem(runner.SUITES, "moe", replace(runner.SUITES["moe"], protocol=stops))
     threads = torch.get_num_threads()
     try:
-        found = tt.train_one((tt.parse(["--smoke", "--suite", "moe"]), "moe", 3, None, [], {}))
+        found = runner.train_one((runner.parse(["--smoke", "--suite", "moe"]), "moe", 3, None, [], {}))
     finally:
         torch.set_num_threads(threads)  # train_one sets the process up as a worker's
     assert found == ("moe", 3, "error: [moe/arm s3] loss is nan at step 2")
@@ -273,10 +275,10 @@ def dies_or_stops(task):  # what a --jobs process runs in the next test (module 
 
 @pytest.mark.parametrize("how, words", [("dies", "seed 1 died (exit code 3"), ("stops", "loss is nan")])
 def test_an_error_in_one_jobs_process_stops_them_all_with_one_line(how, words, tmp_path):
-    args = tt.parse(["--smoke", "--suite", "moe", "--seeds", "2", "--jobs", "2", "--out", str(tmp_path / how)])
+    args = runner.parse(["--smoke", "--suite", "moe", "--seeds", "2", "--jobs", "2", "--out", str(tmp_path / how)])
     t0 = time.time()
     with pytest.raises(SystemExit, match=re.escape(words)):
-        tt.train_in_processes(args, [("moe", 0), ("moe", 1)], {"moe": None}, {"moe": []}, {}, [],
+        runner.train_in_processes(args, [("moe", 0), ("moe", 1)], {"moe": None}, {"moe": []}, {}, [],
                               tmp_path / "rows.json", work=dies_or_stops)
     assert time.time() - t0 < 60  # not after seed 0's two minutes
 
@@ -316,10 +318,10 @@ def all_ended(pids):
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_jobs_processes_end_when_their_parent_is_killed(tmp_path):
     """kill -9 of the parent leaves no process training on unseen (each watches its parent)."""
-    script = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import train_tiny as tt, test_train_tiny as t\n"
-              f"args = tt.parse(['--smoke', '--suite', 'moe', '--seeds', '2', '--jobs', '2', "
+    script = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import runner, test_train_tiny as t\n"
+              f"args = runner.parse(['--smoke', '--suite', 'moe', '--seeds', '2', '--jobs', '2', "
               f"'--out', {str(tmp_path)!r}])\n"
-              f"tt.train_in_processes(args, [('moe', 0), ('moe', 1)], {{'moe': None}}, {{'moe': []}}, {{}}, [], None, "
+              f"runner.train_in_processes(args, [('moe', 0), ('moe', 1)], {{'moe': None}}, {{'moe': []}}, {{}}, [], None, "
               f"work=t.sleeps)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=HERE)
     pids = pids_written([tmp_path / "pid0", tmp_path / "pid1"])
@@ -329,10 +331,10 @@ def test_jobs_processes_end_when_their_parent_is_killed(tmp_path):
     assert all_ended(pids)
 
 
-def sleeping_suite(P, args, seed, data, every_arm):  # a suite that trains for long (one process: from planning on)
+def sleeping_suite(P, args, seed, data):  # a suite that trains for long (one process: from planning on)
     (Path(args.out) / f"pid{seed}").write_text(str(os.getpid()))
     time.sleep(120)
-    return []
+    return [], {}
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
@@ -343,8 +345,9 @@ def test_ctrl_c_stops_the_run_with_one_line_and_leaves_no_process(jobs, tmp_path
     with Python's own SIGINT handler, as from a terminal (a shell's background job, such as a test
     run started with &, would pass SIGINT ignored on to it)."""
     script = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-              f"import sys; sys.path.insert(0, {str(HERE)!r}); import train_tiny as tt, test_train_tiny as t\n"
-              + ("tt.train_one = t.sleeps\n" if jobs > 1 else "tt.SUITES['moe'] = t.sleeping_suite\n") +
+              f"import sys; sys.path.insert(0, {str(HERE)!r}); import train_tiny as tt, runner, test_train_tiny as t\n"
+              + ("runner.train_one = t.sleeps\n" if jobs > 1 else
+                 "runner.SUITES['moe'] = tt.replace(runner.SUITES['moe'], protocol=t.sleeping_suite)\n") +
               f"tt.main(['--smoke', '--suite', 'moe', '--seeds', '{jobs}', '--jobs', '{jobs}', "
               f"'--out', {str(tmp_path)!r}])\n")
     run = subprocess.Popen([sys.executable, "-c", script], cwd=HERE, start_new_session=True, text=True,
@@ -360,38 +363,36 @@ def test_ctrl_c_stops_the_run_with_one_line_and_leaves_no_process(jobs, tmp_path
 
 
 def test_jobs_default_to_the_cores_per_thread_and_refuse_torchrun(monkeypatch, capsys):
-    monkeypatch.setattr(tt, "usable_cores", lambda: 4)
-    assert tt.parse(["--smoke"]).jobs == 4
-    assert tt.parse(["--smoke", "--threads", "2"]).jobs == 2
-    assert tt.parse(["--smoke", "--threads", "8"]).jobs == 1
-    assert tt.parse(["--smoke", "--jobs", "3"]).jobs == 3
-    monkeypatch.setattr(tt, "DDP", True)
-    assert tt.parse(["--smoke"]).jobs == 1
+    monkeypatch.setattr(runner, "usable_cores", lambda: 4)
+    assert runner.parse(["--smoke"]).jobs == 4
+    assert runner.parse(["--smoke", "--threads", "2"]).jobs == 2
+    assert runner.parse(["--smoke", "--threads", "8"]).jobs == 1
+    assert runner.parse(["--smoke", "--jobs", "3"]).jobs == 3
+    monkeypatch.setattr(runner, "DDP", True)
+    assert runner.parse(["--smoke"]).jobs == 1
     with pytest.raises(SystemExit):
-        tt.parse(["--smoke", "--jobs", "2"])
+        runner.parse(["--smoke", "--jobs", "2"])
     assert "under torchrun give --jobs 1" in capsys.readouterr().err
 
 
 def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
-    stages, real = [], tt.train
+    stages, real = [], trainer.train
 
     def counting(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
         if args.probe is None:  # the real stages, not the planning probe's
             stages.append((name, P.iters))
         return real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
-    monkeypatch.setattr(tt, "train", counting)
+    patch_train(monkeypatch, counting)
     tt.main(["--smoke", "--jobs", "1", "--out", str(tmp_path)])  # one process: the patched train is the one used
-    assert tt.PROGRESS.planned == stages  # the progress line's plan is what the suites ran
-    assert {s.split("/")[0] for s, _ in stages} == set(tt.SUITES)
+    assert trainer.PROGRESS.planned == stages  # the progress line's plan is what the suites ran
+    assert {s.split("/")[0] for s, _ in stages} == set(runner.SUITES)
     md = (tmp_path / "results.md").read_text()
-    effects = [v for v in vars(tt).values() if isinstance(v, tt.Effect)]
-    effects += [e for v in vars(tt).values() if isinstance(v, tt.TaHEffects) for e in vars(v).values()]
-    effects += [e for fx in tt.HD_INSIDE.values() for e in fx]
+    effects = all_effects()
     assert len(effects) == 24  # 8 HD and MoE, TaH inside, TaH-3, 4 for each TaH task, 3 HD inside per n
     for effect in effects:  # every effect reported, with the paper's figure in its caption
         assert f"**{effect.name}** (paper: {effect.paper})" in md, effect
     result = json.loads((tmp_path / "results.json").read_text())
-    assert [v["claim"] for v in result["verdicts"]] == [c.name for c in tt.CLAIMS]  # every claim judged
+    assert [v["claim"] for v in result["verdicts"]] == [c.name for c in runner.claims()]  # every claim judged
     assert all(v["verdict"] == "not shown" for v in result["verdicts"])  # one seed can never show an effect
     tt.main(["--smoke", "--jobs", "1", "--out", str(tmp_path)])  # a second run finds every suite done
     assert (tmp_path / "results.md").read_text().split("\n", 1)[1] == md.split("\n", 1)[1]
@@ -401,13 +402,35 @@ def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
 # the demonstrations' protocols
 
 
+def all_effects():
+    """Every Effect the two suite files define: alone, in a tuple (a TaH task's), or in a dict."""
+    found = []
+    for module in (tt, ablations):
+        for v in vars(module).values():
+            for group in (v.values() if isinstance(v, dict) else [v]):
+                found += [e for e in (group if isinstance(group, tuple) else [group]) if isinstance(e, tt.Effect)]
+    return list(dict.fromkeys(found))
+
+
+def patch_train(monkeypatch, fn):
+    """Every suite trains through `fn`: train_tiny's and ablations' own name for trainer.train."""
+    for module in (tt, ablations):
+        monkeypatch.setattr(module, "train", fn)
+
+
+def suite_run(name, P, args, seed, data, every_arm):
+    """One (suite, seed) of the registry, as the runner runs it."""
+    args.P, args.every_arm = P, every_arm
+    return runner.run_suite(name, args, seed, data)
+
+
 def suite_args(tmp_path):
     return Namespace(device="cpu", run_dir=tmp_path, seeds=range(1), muon=False, accum=1, log_every=100, ckpt_every=100,
                      eval_split="val", eval_seed=7919)
 
 
 def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp_path, monkeypatch):
-    seen, real = {}, tt.train
+    seen, real = {}, trainer.train
 
     def spy(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
         if "continued" not in name:
@@ -421,10 +444,10 @@ def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp
             return loss_fn(m, x, y)
         seen[model.cfg.n_streams] = start, batches
         return real(name, model, recording, data, P, args, seed, on_step, **kw)
-    monkeypatch.setattr(tt, "train", spy)
+    patch_train(monkeypatch, spy)
     P = replace(tt.PRESETS["smoke"], hd_cont_lr=1e-3)
     text = tasks.TextData("Is this a dagger which I see before me, the handle toward my hand? " * 60, tmp_path / "t.npz")
-    tt.suite_hd(P, suite_args(tmp_path), 0, text, every_arm=False)
+    suite_run("hd", P, suite_args(tmp_path), 0, text, every_arm=False)
     assert sorted(seen) == [1, 2, 4]
     (body1, (e0,)), batches1 = seen[1]
     for n in (2, 4):
@@ -437,7 +460,7 @@ def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp
 
 
 def test_hd_ablations_continue_the_n1_checkpoint_on_the_headline_batches(tmp_path, monkeypatch):
-    seen, real = {}, tt.train  # name -> (config, backbone at the start, batches)
+    seen, real = {}, trainer.train  # name -> (config, backbone at the start, batches)
 
     def spy(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
         if "continued" not in name:
@@ -449,13 +472,13 @@ def test_hd_ablations_continue_the_n1_checkpoint_on_the_headline_batches(tmp_pat
             return loss_fn(m, x, y)
         seen[name] = model.cfg, copy.deepcopy(model.backbone.state_dict()), batches
         return real(name, model, recording, data, P, args, seed, on_step, **kw)
-    monkeypatch.setattr(tt, "train", spy)
+    patch_train(monkeypatch, spy)
     P = tt.PRESETS["smoke"]
     text = tasks.TextData("Out, out, brief candle! Life's but a walking shadow, a poor player " * 60, tmp_path / "t.npz")
-    rows = tt.suite_hd(P, suite_args(tmp_path), 0, text, every_arm=True)
+    rows = suite_run("hd", P, suite_args(tmp_path), 0, text, every_arm=True)
     _, body2, batches2 = seen["hd/n=2 continued"]
     trained = {}
-    for effect, arm, how in tt.hd_continued_ablation_arms(P):
+    for effect, arm, how in ablations.hd_continued_ablation_arms(P):
         if isinstance(how, dict):
             cfg, body, batches = seen[f"hd/n=2 continued, {arm}"]
             assert all(getattr(cfg, k) == v for k, v in how.items()) and cfg.n_streams == 2
@@ -464,20 +487,20 @@ def test_hd_ablations_continue_the_n1_checkpoint_on_the_headline_batches(tmp_pat
             assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(batches, batches2))
         else:  # the headline's arm, its rows reused
             trained[(effect.name, arm)] = tt.hd_cont_arm(how)
-    assert len(seen) == 3 + sum(isinstance(h, dict) for _, _, h in tt.hd_continued_ablation_arms(P))
+    assert len(seen) == 3 + sum(isinstance(h, dict) for _, _, h in ablations.hd_continued_ablation_arms(P))
     value = {(r["effect"], r["arm"], r["metric"]): r["value"] for r in rows}
     for (effect, arm), source in trained.items():
         assert value[(effect, arm, "loss")] == value[(tt.HD_N.name, source, "loss")]
-    arms = {e.name: {a for (f, a, _) in value if f == e.name} for e in (tt.HD_LAYOUTS_CONT, tt.HD_OBJECTIVE_CONT,
-                                                                          tt.HD_KV_CONT, tt.HD_SCRATCH)}
-    for c in tt.HD_ABLATION_CLAIMS:  # every claim names arms the suite writes
+    arms = {e.name: {a for (f, a, _) in value if f == e.name} for e in (ablations.HD_LAYOUTS_CONT, ablations.HD_OBJECTIVE_CONT,
+                                                                          ablations.HD_KV_CONT, ablations.HD_SCRATCH)}
+    for c in ablations.HD_ABLATION_CLAIMS:  # every claim names arms the suite writes
         assert {c.arm, c.baseline} <= arms[c.effect.name], c.name
-    assert arms[tt.HD_SCRATCH.name] == {arm for arm, _ in tt.hd_scratch_arms()}
+    assert arms[ablations.HD_SCRATCH.name] == {arm for arm, _ in ablations.hd_scratch_arms()}
 
 
 @pytest.mark.parametrize("suite", ["tah", "tah-add"])
 def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response(suite, tmp_path, monkeypatch):
-    trained, labelled, real = {}, [], tt.train
+    trained, labelled, real = {}, [], trainer.train
 
     def spy(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
         out = real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
@@ -488,11 +511,11 @@ def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response
     def stage1(self, idx, targets, depths):
         labelled.append((idx.clone(), targets.clone(), depths.clone()))
         return real_stage1(self, idx, targets, depths)
-    monkeypatch.setattr(tt, "train", spy)
+    patch_train(monkeypatch, spy)
     monkeypatch.setattr(tt.ThinkAtHard, "stage1_loss", stage1)
     P = tt.PRESETS["smoke"]
-    task = tt.Lookups(P.symbols, P.queries, P.two_hop) if suite == "tah" else tt.Arith(P.digits)
-    tt.SUITES[suite](P, suite_args(tmp_path), 0, task, every_arm=False)
+    task = tasks.Lookups(P.symbols, P.queries, P.two_hop) if suite == "tah" else tasks.Arith(P.digits)
+    suite_run(suite, P, suite_args(tmp_path), 0, task, every_arm=False)
     ref = trained[f"{suite}/Standard"].eval()
     if suite == "tah":  # the response: queries and answers (ids from S*S up to ';')
         response = lambda b, t: P.symbols ** 2 <= x[b, t].item() < P.symbols ** 2 + 3 * P.symbols
@@ -511,7 +534,7 @@ def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response
 @settings(max_examples=30, deadline=None)
 @given(digits=st.integers(1, 4), seed=st.integers(0, 10_000), T=st.integers(6, 60), p_wrong=st.floats(0, 0.5))
 def test_exact_match_counts_the_problems_whose_every_answer_digit_is_right(digits, seed, T, p_wrong):
-    task = tt.Arith(digits)
+    task = tasks.Arith(digits)
     g = torch.Generator().manual_seed(seed)
     x, y = task.batch("val", 3, T, g)
     ok = torch.rand(y.shape, generator=g) > p_wrong
@@ -524,7 +547,7 @@ def test_exact_match_counts_the_problems_whose_every_answer_digit_is_right(digit
             if len(ts) == digits + 1:
                 total += 1
                 right += all(ok[b, t] for t in ts)
-    got = tt.answer_exact(ok, y, task.problem_len, task.answers)
+    got = tasks.answer_exact(ok, y, task.problem_len, task.answers)
     if total == 0:
         assert np.isnan(got)
     else:
@@ -534,10 +557,10 @@ def test_exact_match_counts_the_problems_whose_every_answer_digit_is_right(digit
 def test_a_claim_whose_effect_ran_but_whose_arm_has_no_rows_is_an_error():
     rows = [dict(effect=tt.HD_N.name, paper="", arm=tt.hd_cont_arm(n), metric="loss", seed=s, value=5.0 - 0.01 * n)
             for n in (1, 2, 4) for s in (0, 1)]
-    assert [v["claim"] for v in tt.judge(rows, tt.CLAIMS)] == [c.name for c in tt.HD_CLAIMS]  # other suites did not run
+    assert [v["claim"] for v in report.judge(rows, runner.claims())] == [c.name for c in tt.HD_CLAIMS]  # other suites did not run
     renamed = [{**r, "arm": "n=4 (renamed)"} if r["arm"] == tt.hd_cont_arm(4) else r for r in rows]
     with pytest.raises(ValueError, match="n=4 beats n=1"):
-        tt.judge(renamed, tt.CLAIMS)
+        report.judge(renamed, runner.claims())
 
 
 def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the_spread():
@@ -558,7 +581,7 @@ def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the
 
 def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
     # the decider's "share of AlwaysThink's gain" is nan in a seed where AlwaysThink gains nothing
-    fx = tt.TAH.routing
+    fx = tt.TAH_FX[0]
     rows = [dict(effect=fx.name, paper="", arm=tt.STANDARD, metric="acc", seed=s, value=0.5) for s in range(3)]
     rows += [dict(effect=fx.name, paper="", arm=tt.TAH_DECIDER, metric="share", seed=s, value=v)
              for s, v in enumerate([0.5, float("nan"), 1.5])]
@@ -606,7 +629,7 @@ def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
 ])
 def test_bad_arguments_exit_with_one_clear_message(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
-        tt.parse(argv)
+        runner.parse(argv)
     assert e.value.code != 0
     assert words in capsys.readouterr().err
 
@@ -663,7 +686,7 @@ def test_file_system_errors_stop_with_one_line(case, tmp_path, monkeypatch):
 
 def test_non_utf8_paths_and_a_non_numeric_port_are_refused(capsys):
     with pytest.raises(SystemExit):
-        tt.parse(["--out", "out-\udcff"])  # a byte that is not UTF-8, as Python passes it on
+        runner.parse(["--out", "out-\udcff"])  # a byte that is not UTF-8, as Python passes it on
     assert "UTF-8 paths" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="MASTER_PORT"):
         trainer.dist_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "x"})
@@ -673,17 +696,17 @@ def test_data_that_no_suite_reads_or_that_is_a_folder_is_refused(tmp_path, capsy
     f = tmp_path / "t.txt"
     f.write_text("some text " * 100)
     with pytest.raises(SystemExit):
-        tt.parse(["--data", str(f), "--suite", "tah"])
+        runner.parse(["--data", str(f), "--suite", "tah"])
     with pytest.raises(SystemExit):
-        tt.parse(["--data", str(tmp_path)])
+        runner.parse(["--data", str(tmp_path)])
     err = capsys.readouterr().err
-    assert "hd and moe suites only" in err and "it is a folder" in err
+    assert "suites that train on text (hd, moe, hd-progressive)" in err and "it is a folder" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_device_without_cuda_is_refused(capsys):
     with pytest.raises(SystemExit):
-        tt.parse(["--device", "cuda:0"])
+        runner.parse(["--device", "cuda:0"])
     assert "CUDA is not available" in capsys.readouterr().err
 
 
@@ -719,7 +742,7 @@ def test_non_finite_loss_stops_the_run_naming_the_arm_and_step(tmp_path):
         loss = tt.lm_loss(m, x, y)
         return loss * float("nan") if len(calls) == 3 else loss
     with pytest.raises(SystemExit, match=r"\[arm s0\] loss is nan at step 3"):
-        tt.train("arm", small(), blows_up, tt.Arith(2), P, args, seed=0)
+        tt.train("arm", small(), blows_up, tasks.Arith(2), P, args, seed=0)
 
 
 def test_non_finite_weights_after_a_finite_loss_are_refused_before_any_save(tmp_path):
@@ -736,19 +759,19 @@ def test_non_finite_weights_after_a_finite_loss_are_refused_before_any_save(tmp_
                 next(m.parameters()).fill_(float("nan"))
         return loss
     with pytest.raises(SystemExit, match=r"\[arm s0\] the weights are not finite after step 2"):
-        tt.train("arm", small(), spoils_last_step, tt.Arith(2), P, args, seed=0)
+        tt.train("arm", small(), spoils_last_step, tasks.Arith(2), P, args, seed=0)
     assert not list(tmp_path.rglob("*.pt"))  # nothing saved
 
 
 def test_a_damaged_or_foreign_checkpoint_gives_one_line_naming_the_file(tmp_path):
     P = tt.Preset(block=16, batch=4, iters=3, warmup=1, lr=3e-3)
     args = Namespace(device="cpu", run_dir=tmp_path, muon=False, accum=1, log_every=100, ckpt_every=1, run_key="k1")
-    train = lambda name, seed=0: tt.train(name, small(), tt.lm_loss, tt.Arith(2), P, args, seed=seed)
+    train = lambda name, seed=0: tt.train(name, small(), tt.lm_loss, tasks.Arith(2), P, args, seed=seed)
     train("arm")
     train("other", seed=1)
     ckpt, other = tmp_path / "ckpt" / "arm_s0.pt", tmp_path / "ckpt" / "other_s1.pt"
     good = ckpt.read_bytes()
-    state = tt.load_checkpoint(ckpt)
+    state = trainer.load_checkpoint(ckpt)
     assert state["meta"] == dict(arm="arm", seed=0, iters=3, run="k1") and state["iter"] == 3
     args.run_key = "k2"  # the same arm's checkpoint, of another configuration
     with pytest.raises(SystemExit, match=f"{ckpt.name} holds .*'k1'.* not .*'k2'"):
@@ -816,7 +839,7 @@ def test_the_run_key_covers_every_source_file_a_run_imports():
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             todo += [f"{m}.py" for m in mods if (HERE / f"{m}.py").exists() and f"{m}.py" not in seen]
-    assert set(tt.SOURCES) == seen
+    assert set(runner.SOURCES) == seen
 
 
 def test_the_run_key_changes_with_the_data_content(tmp_path):
@@ -834,7 +857,7 @@ def test_the_run_key_changes_with_the_data_content(tmp_path):
 def test_every_reported_number_is_the_same_after_a_kill_and_resume(tmp_path, monkeypatch, suite, arm, step):
     base = ["--smoke", "--suite", suite, "--ckpt-every", "1"]
     tt.main(base + ["--out", str(tmp_path / "straight")])
-    real, killed = tt.train, []
+    real, killed = trainer.train, []
 
     class Killed(Exception):
         pass
@@ -845,7 +868,7 @@ def test_every_reported_number_is_the_same_after_a_kill_and_resume(tmp_path, mon
                 killed.append(done)
                 raise Killed
         return real(name, model, loss_fn, data, P, args, seed, on_step=kill, **kw)
-    monkeypatch.setattr(tt, "train", dies_once)
+    patch_train(monkeypatch, dies_once)
     with pytest.raises(Killed):
         tt.main(base + ["--out", str(tmp_path / "resumed")])
     tt.main(base + ["--out", str(tmp_path / "resumed")])
@@ -875,8 +898,8 @@ def test_flops_per_token_counts_active_experts_and_expanded_rows():
     base = dict(vocab_size=50, block_size=16, n_layer=3, n_embd=16, n_head=6, n_kv_head=2, head_dim=8,
                 n_experts=4, expert_hidden=8)
     T = 16
-    m1 = tt.Transformer(tt.ModelConfig(**base, top_k=1))
-    m2 = tt.Transformer(tt.ModelConfig(**base, top_k=2))
+    m1 = Transformer(ModelConfig(**base, top_k=1))
+    m2 = Transformer(ModelConfig(**base, top_k=2))
     routed = sum(p.numel() for n, p in m1.named_parameters() if n.endswith(("w_gate_up", "w_down")))
     assert trainer.flops_per_token(m2, T) - trainer.flops_per_token(m1, T) == pytest.approx(6 * routed / 4)
     dense = sum(p.numel() for n, p in m1.named_parameters()
@@ -888,14 +911,14 @@ def test_flops_per_token_counts_active_experts_and_expanded_rows():
 
 
 def test_rehearsal_runs_every_arm_of_the_large_preset_for_two_steps():
-    args = tt.parse(["--rehearse"])
+    args = runner.parse(["--rehearse"])
     gpu, P = tt.PRESETS["large"], args.P
-    assert args.every_arm and args.suites == list(tt.SUITES) and args.out == "out-rehearsal"
+    assert args.every_arm and args.suites == list(runner.SUITES) and args.out == "out-rehearsal"
     assert (P.n_layer, P.n_embd, P.block, P.batch, P.tah_batch) == (gpu.n_layer, gpu.n_embd, gpu.block, gpu.batch,
                                                                    gpu.tah_batch)
     assert {P.iters, P.hd_base_iters, P.hd_cont_iters, P.tah_base_iters, P.tah_sft_iters, P.decider_iters} == {2}
     with pytest.raises(SystemExit):
-        tt.parse(["--rehearse", "--smoke"])
+        runner.parse(["--rehearse", "--smoke"])
 
 
 def test_counting_saved_measures_what_autograd_keeps_for_backward():
@@ -908,13 +931,13 @@ def test_counting_saved_measures_what_autograd_keeps_for_backward():
 
 
 def test_preset_fields_are_flags_the_nanogpt_way():
-    args = tt.parse(["--n_layer=4", "--layout=IIFL", "--plays=macbeth,hamlet", "--lr", "0.01", "--seeds=1"])
+    args = runner.parse(["--n_layer=4", "--layout=IIFL", "--plays=macbeth,hamlet", "--lr", "0.01", "--seeds=1"])
     assert (args.P.n_layer, args.P.layout, args.P.plays, args.P.lr, args.P.seeds) == (4, "IIFL", ("macbeth", "hamlet"), 0.01, 1)
     assert args.P.n_embd == tt.PRESETS["default"].n_embd  # the rest from the preset
-    dashed = tt.parse(["--n-layer=4", "--layout=IIFL", "--log_every=7", "--ckpt-every", "9", "--seed0=3"])  # both spellings
+    dashed = runner.parse(["--n-layer=4", "--layout=IIFL", "--log_every=7", "--ckpt-every", "9", "--seed0=3"])  # both spellings
     assert (dashed.P.n_layer, dashed.log_every, dashed.ckpt_every, list(dashed.seeds)) == (4, 7, 9, [3, 4, 5, 6, 7])
-    assert tt.parse([]).preset_name == "default"  # on any device: the measured protocol
-    assert tt.parse(["--smoke", "--iters=7"]).P == tt.replace(tt.PRESETS["smoke"], iters=7)
+    assert runner.parse([]).preset_name == "default"  # on any device: the measured protocol
+    assert runner.parse(["--smoke", "--iters=7"]).P == tt.replace(tt.PRESETS["smoke"], iters=7)
 
 
 def test_averaging_over_ranks_leaves_a_parameter_no_rank_has_a_gradient_for_untouched(tmp_path):
@@ -963,13 +986,13 @@ def test_progressive_expansion_chain_keeps_the_function_at_each_stage():
 
 
 def test_the_progressive_suites_control_sees_the_batches_of_the_expanded_arms(tmp_path, monkeypatch):
-    seen, real = [], tt.train
+    seen, real = [], trainer.train
 
     def recording(name, model, loss_fn, data, P, args, seed, on_step=None, first_batch=0):
         if args.probe is None:
             seen.append((name, first_batch, P.iters, getattr(model.cfg, "n_streams", 1)))
         return real(name, model, loss_fn, data, P, args, seed, on_step, first_batch=first_batch)
-    monkeypatch.setattr(tt, "train", recording)
+    patch_train(monkeypatch, recording)
     tt.main(["--smoke", "--suite", "hd-progressive", "--out", str(tmp_path)])
     P = tt.PRESETS["smoke"]
     by_stage = {}
