@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import moe
 from hd import HiddenDecoding
+from report import cell
 from tah import DepthKV
 
 # -----------------------------------------------------------------------------
@@ -129,6 +130,44 @@ def head_probes(model, last_states):
     differs = (top1 != top1[..., -1:]).float().mean((0, 1))
     bits = entropy(logits).mean((0, 1)) / math.log(2)
     return differs, bits, F.softmax(logits, dim=-1)
+
+
+@torch.no_grad()
+def stream_probes(model, xs, batch):
+    """Every probe above over the windows xs (N, L), `batch` at a time, as means over the
+    batches: (same, different) cosine per state, the final stream's attention mass on each
+    stream in every cross-stream layer (F and L; their indices as `cross`), and each stream's
+    top-1 disagreement and entropy. Returns cross, [same, different, mass, differs, bits]."""
+    n, layout, device = model.cfg.n_streams, model.cfg.layout, next(model.parameters()).device
+    cross = [l for l, kind in enumerate(layout) if kind in "FL"]
+    parts = []
+    for i in range(0, len(xs), batch):
+        states, weights = stream_states(model, xs[i:i + batch].to(device))
+        differs, bits, _ = head_probes(model, states[-1])
+        mass = torch.stack([stream_mass(weights[l], n) for l in cross]) if cross else torch.zeros(0, n)
+        parts.append((*stream_cosine(states), mass, differs, bits))
+    return cross, [torch.stack(p).mean(0).tolist() for p in zip(*parts)]
+
+
+def stream_name(k, n):
+    return f"stream {k}" + (" (final)" if k == n - 1 else "")
+
+
+@torch.no_grad()
+def stream_line(model, x, decode, most=12):
+    """HD Fig. 8 on one window x (T,): each stream's top-1 token and its probability at every
+    position of the window's first whole line (up to `most` tokens), as a markdown table."""
+    text = [decode([t]) for t in x.tolist()]
+    ends = [i for i, t in enumerate(text) if "\n" in t]
+    a, b = next(((a + 1, b) for a, b in zip(ends, ends[1:]) if b - a > 4), (0, len(text) - 1))
+    states, _ = stream_states(model, x[None].to(next(model.parameters()).device))
+    p, top = head_probes(model, states[-1])[2][0].max(-1)  # over (T, n, V)
+    n = model.cfg.n_streams
+    lines = [f"| input | next | " + " | ".join(stream_name(k, n) for k in range(n)) + " |", "|---" * (n + 2) + "|"]
+    for i in range(a, min(b, a + most)):
+        tops = " | ".join(f"{cell(decode([top[i, k].item()]))} {p[i, k].item():.2f}" for k in range(n))
+        lines.append(f"| {cell(text[i])} | {cell(text[i + 1])} | {tops} |")
+    return "\n".join(lines)
 
 
 # -----------------------------------------------------------------------------

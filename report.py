@@ -187,6 +187,18 @@ def cell(text):
     return "`" + text.replace("\n", "⏎").replace("|", "\\|").replace("`", "'") + "`"
 
 
+def trace_table(trace, names, describe):
+    """One TaH forward (inside.tah_trace) as a markdown table, a row per token: its passes, the
+    decider's p(go on) after the first pass, its top-1 after the first pass and after the last."""
+    lines = ["| position | token | next | passes | p(go on) after pass 1 | top-1 after pass 1 | top-1 after the last |",
+             "|---|---|---|---|---|---|---|"]
+    for i, name in enumerate(names):
+        nxt = cell(names[i + 1]) if i + 1 < len(names) else ""
+        lines.append(f"| {i} | {cell(name)} | {nxt} | {trace['passes'][i].item()} | {trace['go'][i].item():.3f} | "
+                     f"{cell(describe(trace['first'][i].item()))} | {cell(describe(trace['final'][i].item()))} |")
+    return "\n".join(lines)
+
+
 def pyplot():
     """matplotlib's pyplot without a screen, or None where matplotlib is missing (no plots)."""
     try:

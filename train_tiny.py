@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from hd import HDConfig, HiddenDecoding, expand_streams
-from inside import OUTCOMES, head_probes, iteration_outcomes, stream_cosine, stream_mass, stream_states, tah_trace
-from report import Claim, Effect, cell, plot_streams, plot_sweep, plot_trace
+from inside import OUTCOMES, iteration_outcomes, stream_line, stream_name, stream_probes, tah_trace
+from report import Claim, Effect, plot_streams, plot_sweep, plot_trace, trace_table
 from tah import TaHConfig, ThinkAtHard, oracle_depths
 from tasks import Lookups, answer_exact, atomic
 from trainer import MASTER, batch_gen, evaluate, finite_loss, probing, train
@@ -191,7 +191,7 @@ def hd_protocol(P, args, seed, data):
         if n in HD_INSIDE:  # the probes of HD §5.2-5.3 (seconds)
             rows += hd_inside_rows(model, data, P, args, seed)
             if n == max(HD_INSIDE) and seed == args.seeds[0]:
-                save_inside(args, "hd_line.md", hd_line(model, data, args))
+                save_inside(args, "hd_line.md", stream_line(model, data.windows(args.eval_split, P.block)[0][0], data.decode))
     return rows, dict(base=base, headline=headline)
 
 
@@ -223,35 +223,16 @@ SAME, DIFFERENT, LEAST_GAP = "same token", "different tokens", "where the gap is
 LOWEST_OTHER, DIFFERS, BITS = "lowest-entropy other stream", "top-1 differs from the final stream's", "entropy (bits)"
 
 
-def stream_name(k, n):
-    return f"stream {k}" + (" (final)" if k == n - 1 else "")
-
-
 def state_name(l):
     return "input" if l == 0 else f"block {l}"  # states[l]: the embedding, then block l's output
 
 
-@torch.no_grad()
-def hd_probe_means(model, data, P, args):
-    """The HD probes on the first INSIDE_WINDOWS held-out windows, as means over batches of them:
-    cosine per state (same token, different tokens), the final stream's attention mass per
-    cross-stream layer and stream, each stream's top-1 disagreement and entropy."""
-    n, layout = model.cfg.n_streams, model.cfg.layout
-    xs = data.windows(args.eval_split, P.block)[0][:P.batch if probing(args) else INSIDE_WINDOWS]
-    cross = [l for l, kind in enumerate(layout) if kind in "FL"]
-    parts = []
-    for i in range(0, len(xs), P.batch):
-        states, weights = stream_states(model, xs[i:i + P.batch].to(args.device))
-        differs, bits, _ = head_probes(model, states[-1])
-        mass = torch.stack([stream_mass(weights[l], n) for l in cross]) if cross else torch.zeros(0, n)
-        parts.append((*stream_cosine(states), mass, differs, bits))
-    return cross, [torch.stack(p).mean(0).tolist() for p in zip(*parts)]
-
-
 def hd_inside_rows(model, data, P, args, seed):
+    """The HD probes (inside.stream_probes) on the first INSIDE_WINDOWS held-out windows."""
     n, layout = model.cfg.n_streams, model.cfg.layout
     cos_fx, mass_fx, head_fx = HD_INSIDE[n]
-    cross, (same, diff, mass, differs, bits) = hd_probe_means(model, data, P, args)
+    xs = data.windows(args.eval_split, P.block)[0][:P.batch if probing(args) else INSIDE_WINDOWS]
+    cross, (same, diff, mass, differs, bits) = stream_probes(model, xs, P.batch)
     least = min(range(len(same)), key=lambda l: same[l] - diff[l])  # "above at every layer" = above here
     rows = []
     for arm, cos in ((DIFFERENT, diff), (SAME, same)):
@@ -262,24 +243,6 @@ def hd_inside_rows(model, data, P, args, seed):
     for k in range(n):
         rows += result_rows(head_fx, stream_name(k, n), seed, {DIFFERS: differs[k], BITS: bits[k]})
     return rows + result_rows(head_fx, LOWEST_OTHER, seed, {BITS: min(bits[:-1])})
-
-
-@torch.no_grad()
-def hd_line(model, data, args, most=12):
-    """HD Fig. 8 on held-out text: each stream's top-1 token and its probability at every position
-    of the first whole line (up to `most` tokens) of the first held-out window, as markdown."""
-    x = data.windows(args.eval_split, model.cfg.block_size)[0][0]
-    text = [data.decode([t]) for t in x.tolist()]
-    ends = [i for i, t in enumerate(text) if "\n" in t]
-    a, b = next(((a + 1, b) for a, b in zip(ends, ends[1:]) if b - a > 4), (0, len(text) - 1))
-    states, _ = stream_states(model, x[None].to(args.device))
-    p, top = head_probes(model, states[-1])[2][0].max(-1)  # over (T, n, V)
-    n = model.cfg.n_streams
-    lines = [f"| input | next | " + " | ".join(stream_name(k, n) for k in range(n)) + " |", "|---" * (n + 2) + "|"]
-    for i in range(a, min(b, a + most)):
-        tops = " | ".join(f"{cell(data.decode([top[i, k].item()]))} {p[i, k].item():.2f}" for k in range(n))
-        lines.append(f"| {cell(text[i])} | {cell(text[i + 1])} | {tops} |")
-    return "\n".join(lines)
 
 
 HD_INSIDE_CLAIMS = [c for n in (2, 4) for c in (
@@ -557,13 +520,7 @@ def tah_problem(model, data, P, args):
     trace = tah_trace(model, idx)
     model.train()
     names = [data.describe(t) for t in idx[0].tolist()]
-    lines = ["| position | token | next | passes | p(go on) after pass 1 | top-1 after pass 1 | top-1 after the last |",
-             "|---|---|---|---|---|---|---|"]
-    for i, name in enumerate(names):
-        nxt = cell(names[i + 1]) if i + 1 < L else ""
-        lines.append(f"| {i} | {cell(name)} | {nxt} | {trace['passes'][i].item()} | {trace['go'][i].item():.3f} | "
-                     f"{cell(data.describe(trace['first'][i].item()))} | {cell(data.describe(trace['final'][i].item()))} |")
-    save_inside(args, "tah_problem.md", "\n".join(lines))
+    save_inside(args, "tah_problem.md", trace_table(trace, names, data.describe))
     if MASTER:
         plot_trace(trace, names, model.cfg.threshold, args.run_dir / "inside" / "tah_problem.png")
 

@@ -135,77 +135,107 @@ def train(name, model, loss_fn, data, P, args, seed, on_step=None, first_batch=0
     first_batch, first_batch + 1, ... of the seed's stream (a later stage passes the steps
     run before it, so it sees new batches); checkpoint every args.ckpt_every steps
     (atomically) and resume from the checkpoint if one exists. Returns the list of training
-    losses (one per step)."""
-    dev, probe = args.device, getattr(args, "probe", None)
+    losses (one per step). In the planning probe (args.probe) it runs PROBE_STEPS steps, saves
+    nothing, and records the stage's planned steps and its seconds per step."""
+    probe = getattr(args, "probe", None)
     ckpt = Path(args.run_dir) / "ckpt" / f"{name.replace('/', '_')}_s{seed}.pt"
     opts = make_optimizer(model, P.lr, args.muon)
     meta = dict(arm=name, seed=seed, iters=P.iters, run=getattr(args, "run_key", None))
-    start, losses = (0, []) if probe is not None else resume(ckpt, model, opts, dev, meta)
-    if 0 < start < P.iters:
-        log(f"[{name} s{seed}] resuming at step {start}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    micro = P.batch // (WORLD * args.accum)
-    if micro < 1 or P.batch % (WORLD * args.accum):
-        raise SystemExit(f"error: batch {P.batch} does not split into {WORLD} ranks x {args.accum} micro-steps")
-    rehearse = getattr(args, "rehearse", False)
-    autocast = (torch.autocast("cuda", torch.bfloat16) if dev.startswith("cuda") else
-                torch.autocast("cpu", torch.bfloat16) if rehearse else contextlib.nullcontext())
-    fwd_model = torch.compile(model) if getattr(args, "compile", False) else model  # shares the weights
+    start, losses = (0, []) if probe is not None else resume(ckpt, model, opts, args.device, meta)
+    step = Step(name, model, loss_fn, data, P, args, seed, opts)
     if probe is None:
-        PROGRESS.arm += 1
-        PROGRESS.advance(name, start)
-        log(f"[{name} s{seed}] {P.iters} steps, lr {P.lr:g}, batch {P.batch} | {PROGRESS.line()}")
-    t0 = t_step = time.perf_counter()
-    times = []
+        announce(name, seed, P, start)
+    t0, times = time.perf_counter(), []
     for it in range(start, min(P.iters, PROBE_STEPS) if probe is not None else P.iters):
-        for o in opts:
-            for g in o.param_groups:
-                g["lr"] = lr_at(it, P)
-        x, y = data.batch("train", P.batch, P.block, batch_gen(seed, first_batch + it, "train"))
-        total = 0.0
-        for m in range(args.accum):
-            lo = (m * WORLD + RANK) * micro  # this rank's rows of the global batch
-            saved = {}  # storage -> bytes of what autograd keeps for backward (measured in a rehearsal)
-            with autocast, counting_saved(saved) if rehearse and it == start and m == 0 else contextlib.nullcontext():
-                loss = loss_fn(fwd_model, x[lo:lo + micro].to(dev), y[lo:lo + micro].to(dev)) / args.accum
-            if saved:
-                log(f"[{name} s{seed}] rehearsal: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters "
-                    f"({sum(p.numel() for p in params) / 1e6:.2f}M trained); ~{sum(saved.values()) / 2**20:.0f} MiB "
-                    f"of activations kept for backward per micro-batch of {micro} x {P.block} tokens (bf16)")
-            loss.backward()
-            total += loss.item()
-        if DDP:
-            total = average_over_ranks(params, total, dev)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        for o in opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
-        if any(p.requires_grad for p in backbone_of(model).parameters()):
-            backbone_of(model).update_router_bias()  # loss-free balancing, after the step
-        if not math.isfinite(total):
-            raise SystemExit(f"error: [{name} s{seed}] loss is {total} at step {it + 1}; nothing after it "
-                             f"is reported (try a lower lr)")
-        losses.append(total)
-        now = time.perf_counter()
-        times.append(now - t_step)
-        t_step = now
+        t = time.perf_counter()
+        losses.append(step(first_batch + it, it, rehearsing=it == start))
+        times.append(time.perf_counter() - t)
         if probe is not None:
             continue
         PROGRESS.advance(name, 1, times[-1] if it > start else None)  # a stage's first step warms up: untimed
         done = it + 1
         if done % args.log_every == 0 or done == P.iters:
-            log_step(name, seed, done, P, total, (time.perf_counter() - t0) / (done - start), model, dev)
+            log_step(name, seed, done, P, losses[-1], (time.perf_counter() - t0) / (done - start), model, args.device)
         if done % args.ckpt_every == 0 or done == P.iters:
-            if not all(torch.isfinite(p).all() for p in params):  # a finite loss can still leave NaN weights
-                raise SystemExit(f"error: [{name} s{seed}] the weights are not finite after step {done}; nothing "
-                                 f"of this arm is saved or reported (try a lower lr)")
-            if MASTER:
-                save(ckpt, model, opts, done, losses, meta)
+            checkpoint(ckpt, name, seed, done, model, opts, losses, meta)
         if on_step is not None:
             on_step(done)
     if probe is not None:  # the planning probe: this stage's planned steps and its time per step
         probe.append((name, P.iters, float(np.median(times[1:])) if len(times) > 1 else None))
     return losses
+
+
+def announce(name, seed, P, start):
+    """The stage's first line; a resumed stage's steps count as done in the progress."""
+    if 0 < start < P.iters:
+        log(f"[{name} s{seed}] resuming at step {start}")
+    PROGRESS.arm += 1
+    PROGRESS.advance(name, start)
+    log(f"[{name} s{seed}] {P.iters} steps, lr {P.lr:g}, batch {P.batch} | {PROGRESS.line()}")
+
+
+class Step:
+    """One optimizer step of a stage: the learning rate of step `it`, the global batch of stream
+    step `batch_it` split into this rank's micro-batches, gradients averaged over ranks and
+    clipped, the optimizers' step, loss-free balancing's bias update. Returns the step's loss."""
+
+    def __init__(self, name, model, loss_fn, data, P, args, seed, opts):
+        self.name, self.model, self.loss_fn, self.data, self.P, self.args = name, model, loss_fn, data, P, args
+        self.seed, self.opts = seed, opts
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.micro = P.batch // (WORLD * args.accum)
+        if self.micro < 1 or P.batch % (WORLD * args.accum):
+            raise SystemExit(f"error: batch {P.batch} does not split into {WORLD} ranks x {args.accum} micro-steps")
+        self.rehearse = getattr(args, "rehearse", False)
+        dev = args.device
+        self.autocast = (torch.autocast("cuda", torch.bfloat16) if dev.startswith("cuda") else
+                         torch.autocast("cpu", torch.bfloat16) if self.rehearse else contextlib.nullcontext())
+        self.fwd_model = torch.compile(model) if getattr(args, "compile", False) else model  # shares the weights
+
+    def __call__(self, batch_it, it, rehearsing):
+        P, args = self.P, self.args
+        for o in self.opts:
+            for g in o.param_groups:
+                g["lr"] = lr_at(it, P)
+        x, y = self.data.batch("train", P.batch, P.block, batch_gen(self.seed, batch_it, "train"))
+        total = sum(self.micro_step(x, y, m, rehearsing and m == 0) for m in range(args.accum))
+        if DDP:
+            total = average_over_ranks(self.params, total, args.device)
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        for o in self.opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        if any(p.requires_grad for p in backbone_of(self.model).parameters()):
+            backbone_of(self.model).update_router_bias()  # loss-free balancing, after the step
+        if not math.isfinite(total):
+            raise SystemExit(f"error: [{self.name} s{self.seed}] loss is {total} at step {it + 1}; nothing after it "
+                             f"is reported (try a lower lr)")
+        return total
+
+    def micro_step(self, x, y, m, measure):
+        """Forward and backward of this rank's rows of micro-step m; a rehearsal measures the
+        first one's activation memory."""
+        lo, dev = (m * WORLD + RANK) * self.micro, self.args.device  # this rank's rows of the global batch
+        saved = {}  # storage -> bytes of what autograd keeps for backward (measured in a rehearsal)
+        with self.autocast, counting_saved(saved) if self.rehearse and measure else contextlib.nullcontext():
+            loss = self.loss_fn(self.fwd_model, x[lo:lo + self.micro].to(dev), y[lo:lo + self.micro].to(dev))
+            loss = loss / self.args.accum
+        if saved:
+            n_all, n_trained = (sum(p.numel() for p in ps) / 1e6 for ps in (self.model.parameters(), self.params))
+            log(f"[{self.name} s{self.seed}] rehearsal: {n_all:.2f}M parameters ({n_trained:.2f}M trained); "
+                f"~{sum(saved.values()) / 2**20:.0f} MiB of activations kept for backward per micro-batch of "
+                f"{self.micro} x {self.P.block} tokens (bf16)")
+        loss.backward()
+        return loss.item()
+
+
+def checkpoint(ckpt, name, seed, done, model, opts, losses, meta):
+    """Save after step `done`, refusing non-finite weights (a finite loss can still leave them)."""
+    if not all(torch.isfinite(p).all() for p in model.parameters() if p.requires_grad):
+        raise SystemExit(f"error: [{name} s{seed}] the weights are not finite after step {done}; nothing "
+                         f"of this arm is saved or reported (try a lower lr)")
+    if MASTER:
+        save(ckpt, model, opts, done, losses, meta)
 
 
 @contextlib.contextmanager
