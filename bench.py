@@ -301,7 +301,7 @@ def hd_decode(model, B, prompt, steps, device):
     from that cache (the steps' rows are written over)."""
     cfg, n = model.cfg, getattr(model.cfg, "n_streams", 1)
     per_token = getattr(model, "kv_rows_per_token", lambda i: 1)
-    skip = model.skip_from() if hasattr(model, "skip_from") else None
+    skip = model.mirror_skip_from() if hasattr(model, "mirror_skip_from") else None
     g = torch.Generator(device=device).manual_seed(0)
     caches = make_caches(model)
     for i, c in enumerate(caches):  # a layer that keeps one row per token holds its streams as batch rows
@@ -421,7 +421,7 @@ def cuda_section(L, repeats):
     flex = torch.compile(flex_attention, dynamic=False)
     t = torch.arange(L, device="cuda")
     W = 256
-    causal_bm = create_block_mask(full(), None, None, L, L, device="cuda")
+    causal_bm = create_block_mask(full, None, None, L, L, device="cuda")
     local_bm = create_block_mask(local(W), None, None, L, L, device="cuda")
     m_local = dense_mask(local(W), t, t)
     r = timeit({"sdpa causal": lambda: attend(q, k, v, "causal"), "flex causal": lambda: flex(q, k, v, block_mask=causal_bm),

@@ -75,7 +75,7 @@ HD = {**MODEL,
       "shared_kv": [FLAG, rule(lambda v, c: not v or "I" in c.layout,
                                "False for a layout without I layers (it changes only those)")],
       "mirror_skip": [one_of(None, True, False),
-                      rule(lambda v, c: not v or c.skip_is_exact,
+                      rule(lambda v, c: not v or c.mirror_skip_exact,
                            "None or False unless objective='final' and kv_mirror=True (only there is it exact)")],
       "attn_impl": [one_of("fast", "dense", "flex")]}
 
@@ -145,6 +145,12 @@ def check_flex(attn_impl, device):
     if attn_impl == "flex" and device.type == "cpu" and torch.is_grad_enabled():
         raise ValueError("attn_impl='flex' runs forward only on CPU (torch has no flex_attention backward "
                          "there): call it under torch.no_grad(), or train with the default attn_impl")
+
+
+def check_length(start, T, block_size, unit="tokens"):
+    """A forward of T new positions after `start` cached ones fits the model's block_size."""
+    if start + T > block_size:
+        raise ValueError(f"sequence of {start + T} {unit} exceeds block_size={block_size}")
 
 
 def check_caches(caches, n_layer, block_size, rows_per_token=lambda i: 1):
@@ -221,8 +227,7 @@ def check_generation(idx, max_new_tokens, temperature, sample_top_k, cfg):
     check_tokens(idx, None, cfg.vocab_size, values=True)
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if idx.size(1) + max_new_tokens > cfg.block_size:
-        raise ValueError(f"prompt {idx.size(1)} + max_new_tokens {max_new_tokens} exceeds block_size={cfg.block_size}")
+    check_length(idx.size(1), max_new_tokens, cfg.block_size, "tokens (prompt + max_new_tokens)")
     check_sampling(temperature, sample_top_k, cfg.vocab_size)
 
 

@@ -74,7 +74,7 @@ class TaHCache(DepthKV):
             raise ValueError(f"B must be an int >= 1 (batch rows), got {B!r}")
         cfg = model.cfg
         super().__init__(cfg.n_layer, B, device)
-        self.capacity = cfg.block_size * cfg.max_depth
+        self.capacity, self.slot = cfg.block_size * cfg.max_depth, 0  # slot: where this pass's rows start
         self.lookups = [x.new_zeros(B, self.capacity) for x in self.lookups]
 
     def write(self, buf, new, dim, rows):
@@ -93,7 +93,7 @@ class TaHCache(DepthKV):
         if self.len + pos.size(1) > self.capacity:
             raise ValueError(f"TaH cache full: it holds {self.capacity} rows, {self.len} are written and "
                              f"{pos.size(1)} more do not fit")
-        self.slot = self.len  # write() reads the slot before add() moves it on
+        self.slot = self.len  # write() reads the slot; add() moves len on
         super().add(pos, depth, valid, rows)
 
 
@@ -132,12 +132,20 @@ def lora_merged(model):
     one matmul where it would take three. For decoding, where the weights hold still."""
     with torch.no_grad():
         for m in model.loras:
-            m.merged = torch.addmm(m.base.weight, m.B, m.A, alpha=m.scale)
+            m.forward = merged_forward(m, torch.addmm(m.base.weight, m.B, m.A, alpha=m.scale))
     try:
         yield
     finally:
         for m in model.loras:
-            m.merged = None
+            m.__dict__.pop("forward", None)  # back to the class's forward
+
+
+def merged_forward(m, weight):
+    """A LoRALinear's forward with its adapter merged into `weight` (the adapter still on only
+    while m.active, at depths >= 1)."""
+    def forward(x):
+        return F.linear(x, weight, m.base.bias) if m.active else m.base(x)
+    return forward
 
 
 @torch.no_grad()

@@ -32,8 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from checks import check_caches, check_flex, check_tokens, is_int
-from moe import ModelConfig, Transformer, causal_after, dense_mask, upcast
+from checks import check_caches, check_flex, check_length, check_tokens, is_int
+from moe import ModelConfig, Transformer, causal, causal_after, dense_mask, upcast
 
 # -----------------------------------------------------------------------------
 # Config
@@ -79,24 +79,21 @@ class HDConfig(ModelConfig):
     attn_impl: str = "fast"
 
     @property
-    def skip_is_exact(self):
+    def mirror_skip_exact(self):
         return self.objective == "final" and self.kv_mirror
 
     @property
-    def final_stream_skip(self):
+    def mirror_skip_on(self):
         """Whether the skip is on: mirror_skip, or where it is None, wherever it is exact.
         (Resolved here, not written back, so the config copies and replaces like any dataclass.)"""
-        return self.skip_is_exact if self.mirror_skip is None else self.mirror_skip
+        return self.mirror_skip_exact if self.mirror_skip is None else self.mirror_skip
 
 
 # -----------------------------------------------------------------------------
 # The masks: one mask_mod each (HD §2.2). q_idx, kv_idx are expanded indices t.
 
 
-def full():
-    def full_mask(b, h, q_idx, kv_idx):  # M^full: plain causal over the expanded sequence
-        return kv_idx <= q_idx
-    return full_mask
+full = causal  # M^full: plain causal over the expanded sequence, kv <= q (moe.py's one definition)
 
 
 def local(window):
@@ -126,7 +123,7 @@ def layer_mask(cfg, i):
     """The mask_mod of layer i: its layout letter, and shared_kv for I layers."""
     kind, n = cfg.layout[i], cfg.n_streams
     if kind == "F":
-        return full()
+        return full
     if kind == "L":
         return local(cfg.window)
     return shared_intra(n) if cfg.shared_kv else intra(n)
@@ -139,40 +136,9 @@ def on_final_rows(mask_mod, n):
     return final_rows_mask
 
 
-def fold(x, n):
-    """(B, L*n, ...) interleaved rows -> (B*n, L, ...): stream k of batch b becomes batch b*n + k.
-    The interleaved intra mask has no block sparsity (each 128x128 tile mixes all streams), so
-    a BlockMask skips only what causal skips; folding makes each stream a causal sequence."""
-    B, T = x.shape[:2]
-    return x.view(B, T // n, n, *x.shape[2:]).transpose(1, 2).reshape(B * n, T // n, *x.shape[2:])
-
-
-def unfold(x, n):
-    """Inverse of fold."""
-    Bn, L = x.shape[:2]
-    return x.view(Bn // n, n, L, *x.shape[2:]).transpose(1, 2).reshape(Bn // n, L * n, *x.shape[2:])
-
-
-def attention_path(cfg, i, final_only, device, cached=False):
-    """Which attention path serves layer i; decided here only. Every path equals the dense
-    reference (the layer's mask_mod as a boolean matrix); test_hd.py checks each against it.
-
-        "fold"    streams folded into the batch, each causal (HD §3.2)   fast: I
-        "causal"  SDPA's causal kernel (M^full is plain causal)          fast: F, all rows, uncached
-        "block"   a flex BlockMask                                       fast: the rest uncached, on CUDA
-        "dense"   a dense boolean mask                                   fast: the rest; "dense": all
-
-    attn_impl "flex" gives every uncached layer "block" (cached ones "dense"). I means an I
-    layer with per-stream K/V; shared-KV I layers are "the rest". final_only: the queries are
-    the final-stream rows (a mirrored layer under the KV-mirror skip): "fold" then runs the
-    final stream alone, and F is no longer square, so not "causal"."""
-    if cfg.attn_impl != "fast":
-        return "block" if cfg.attn_impl == "flex" and not cached else "dense"
-    if cfg.layout[i] == "I" and not cfg.shared_kv:
-        return "fold"
-    if cfg.layout[i] == "F" and not cached and not final_only:
-        return "causal"
-    return "block" if not cached and device.type == "cuda" else "dense"
+def final_stream(x, n, dim=1):
+    """The final-stream rows t = i*n + n-1 of x along dim: the rows that predict (HD §2.1)."""
+    return x.unflatten(dim, (-1, n)).select(dim + 1, n - 1)
 
 
 # -----------------------------------------------------------------------------
@@ -194,16 +160,16 @@ class HiddenDecoding(nn.Module):
         rows = torch.stack([table(idx) for table in self.tables], dim=2)  # (B, L, n, C)
         return rows.flatten(1, 2)
 
-    def skip_from(self):
-        """The KV-mirror skip (HD §3.1): mirrored layers are the last n_layer // 3 (moe.py), so
-        from the first of them on only the final-stream rows are carried; their K/V still come
-        from every row of the source layer's input. The first such layer, or None (no skip)."""
-        return self.cfg.n_layer - self.cfg.n_layer // 3 if self.cfg.final_stream_skip else None
+    def mirror_skip_from(self):
+        """The KV-mirror skip (HD §3.1): from the first mirrored layer (moe.ModelConfig.mirrored)
+        on, only the final-stream rows are carried; their K/V still come from every row of the
+        source layer's input. The first such layer, or None (no skip)."""
+        return self.cfg.mirrored.start if self.cfg.mirror_skip_on else None
 
     def kv_rows_per_token(self, i):
         """K/V rows layer i keeps per token in cached decoding: 1 where it attends within one
         stream (folded: the streams are batch rows; or the final stream alone), else n."""
-        skip = self.skip_from()
+        skip = self.mirror_skip_from()
         folded = attention_path(self.cfg, i, skip is not None and i >= skip, None, cached=True) == "fold"
         return 1 if folded else self.cfg.n_streams
 
@@ -212,25 +178,24 @@ class HiddenDecoding(nn.Module):
         cfg, n, dev = self.cfg, self.cfg.n_streams, idx.device
         B, L = idx.shape
         start = 0 if caches is None else check_caches(caches, cfg.n_layer, cfg.block_size, self.kv_rows_per_token)
-        if start + L > cfg.block_size:
-            raise ValueError(f"sequence of {start + L} tokens exceeds block_size={cfg.block_size}")
+        check_length(start, L, cfg.block_size)
         check_flex(cfg.attn_impl, dev)
         t = torch.arange(start * n, (start + L) * n, device=dev)  # expanded indices of the new rows
         t_kv = torch.arange((start + L) * n, device=dev)  # every row the keys may come from
         pos = t if cfg.positions == "expanded" else t // n
-        final, skip, block_masks = slice(n - 1, None, n), self.skip_from(), {}
+        skip, block_masks = self.mirror_skip_from(), {}
 
         def layer(i, block, x, kv_u):
             cache = None if caches is None else caches[i]
             final_only = skip is not None and i >= skip  # queries: the final-stream rows only
             if i == skip:
-                x = x[:, final]
+                x = final_stream(x, n)
             path = attention_path(cfg, i, final_only, dev, cached=cache is not None)
-            q_t, q_pos = (t[final], pos[final]) if final_only else (t, pos)
+            q_t, q_pos = (final_stream(t, n, 0), final_stream(pos, n, 0)) if final_only else (t, pos)
             if path == "fold":  # each stream a causal sequence of its own (new rows after `start` cached)
                 mask = causal_after(start, L, dev)
                 if final_only:  # the final stream alone, its K/V from its own rows of the source state
-                    return block(x, q_pos, mask, kv_u=kv_u[:, final], kv_pos=q_pos, cache=cache)
+                    return block(x, q_pos, mask, kv_u=final_stream(kv_u, n), kv_pos=q_pos, cache=cache)
                 x_f, u_f = block(fold(x, n), fold(pos.expand(B, -1), n), mask,
                                  kv_u=None if kv_u is None else fold(kv_u, n), cache=cache)
                 return unfold(x_f, n), unfold(u_f, n)
@@ -271,13 +236,53 @@ class HiddenDecoding(nn.Module):
             all_logits = self.head(h)  # (B, L*n, V)
             loss = F.cross_entropy(upcast(all_logits.flatten(0, 1)),
                                    targets.repeat_interleave(n, dim=1).flatten(), ignore_index=-1)
-            return all_logits[:, n - 1::n], loss
+            return final_stream(all_logits, n), loss
         else:  # under the skip, hidden returned the final-stream rows already
-            logits = self.head(h if self.skip_from() is not None else h[:, n - 1::n])
+            logits = self.head(h if self.mirror_skip_from() is not None else final_stream(h, n))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten(), ignore_index=-1)
         return logits, loss
+
+
+# -----------------------------------------------------------------------------
+# The fast paths (HD §3.2): which attention path serves a layer, and folding streams into the batch
+
+
+def fold(x, n):
+    """(B, L*n, ...) interleaved rows -> (B*n, L, ...): stream k of batch b becomes batch b*n + k.
+    The interleaved intra mask has no block sparsity (each 128x128 tile mixes all streams), so
+    a BlockMask skips only what causal skips; folding makes each stream a causal sequence."""
+    B, T = x.shape[:2]
+    return x.view(B, T // n, n, *x.shape[2:]).transpose(1, 2).reshape(B * n, T // n, *x.shape[2:])
+
+
+def unfold(x, n):
+    """Inverse of fold."""
+    Bn, L = x.shape[:2]
+    return x.view(Bn // n, n, L, *x.shape[2:]).transpose(1, 2).reshape(Bn // n, L * n, *x.shape[2:])
+
+
+def attention_path(cfg, i, final_only, device, cached=False):
+    """Which attention path serves layer i; decided here only. Every path equals the dense
+    reference (the layer's mask_mod as a boolean matrix); test_hd.py checks each against it.
+
+        "fold"    streams folded into the batch, each causal (HD §3.2)   fast: I
+        "causal"  SDPA's causal kernel (M^full is plain causal)          fast: F, all rows, uncached
+        "block"   a flex BlockMask                                       fast: the rest uncached, on CUDA
+        "dense"   a dense boolean mask                                   fast: the rest; "dense": all
+
+    attn_impl "flex" gives every uncached layer "block" (cached ones "dense"). I means an I
+    layer with per-stream K/V; shared-KV I layers are "the rest". final_only: the queries are
+    the final-stream rows (a mirrored layer under the KV-mirror skip): "fold" then runs the
+    final stream alone, and F is no longer square, so not "causal"."""
+    if cfg.attn_impl != "fast":
+        return "block" if cfg.attn_impl == "flex" and not cached else "dense"
+    if cfg.layout[i] == "I" and not cfg.shared_kv:
+        return "fold"
+    if cfg.layout[i] == "F" and not cached and not final_only:
+        return "causal"
+    return "block" if not cached and device.type == "cuda" else "dense"
 
 
 # -----------------------------------------------------------------------------
@@ -351,7 +356,7 @@ def draw(mask_mod, n, L):
 if __name__ == "__main__":
     n, L, w = 2, 4, 3
     print(f"Stream-Factorized Attention masks, n={n} streams, L={L} tokens (row 2b = token 2, stream b)")
-    for name, mod in [("F full cross-stream", full()), (f"L local cross-stream, window={w}", local(w)),
+    for name, mod in [("F full cross-stream", full), (f"L local cross-stream, window={w}", local(w)),
                       ("I intra-stream", intra(n)), ("I with shared KV (control)", shared_intra(n))]:
         print(f"\n{name}:\n{draw(mod, n, L)}")
 

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from checks import check_caches, check_config, check_tokens
+from checks import check_caches, check_config, check_length, check_tokens
 
 # -----------------------------------------------------------------------------
 # Config
@@ -88,10 +88,15 @@ class ModelConfig:
     def rope_dim(self) -> int:
         return int(round(self.head_dim * self.rope_fraction))
 
+    @property
+    def mirrored(self):
+        """KV-Mirror's consumer layers: the last n_layer // 3 (none without kv_mirror). hd.py's
+        final-stream skip starts at the first of them."""
+        return range(self.n_layer - self.n_layer // 3 if self.kv_mirror else self.n_layer, self.n_layer)
+
     def mirror_source(self, layer: int):
         """KV-Mirror pairing (U-shape): consumer n_layer-1-j reads source j, for j < n_layer // 3."""
-        j = self.n_layer - 1 - layer
-        return j if self.kv_mirror and j < self.n_layer // 3 else None
+        return self.n_layer - 1 - layer if layer in self.mirrored else None
 
 
 # -----------------------------------------------------------------------------
@@ -365,8 +370,7 @@ class Transformer(nn.Module):
         check_tokens(idx, targets, self.cfg.vocab_size)
         B, T = idx.shape
         start = 0 if caches is None else check_caches(caches, self.cfg.n_layer, self.cfg.block_size)
-        if start + T > self.cfg.block_size:
-            raise ValueError(f"sequence of {start + T} positions exceeds block_size={self.cfg.block_size}")
+        check_length(start, T, self.cfg.block_size, "positions")
         pos = torch.arange(start, start + T, device=idx.device)
         mask = causal_after(start, T, idx.device)
 

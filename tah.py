@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from checks import check_oracle, check_routing, check_stage2
+from checks import check_length, check_oracle, check_routing, check_stage2
 from moe import ModelConfig, Transformer, upcast
 
 MODES = ("standard", "always", "oracle", "decider")
@@ -126,8 +126,7 @@ def dense_batch_mask(mask_mod, B, Tq, Tk, device):
 
 class LoRALinear(nn.Module):
     """y = W x + (alpha / r) * B A x, the second term only while `active`. B starts at 0, so
-    the adapter starts as a no-op (Hu et al. 2022). `merged`: W + (alpha / r) B A, set while
-    generate.lora_merged decodes (one matmul instead of three, the same map up to rounding)."""
+    the adapter starts as a no-op (Hu et al. 2022)."""
 
     def __init__(self, base: nn.Linear, rank, alpha):
         super().__init__()
@@ -136,13 +135,10 @@ class LoRALinear(nn.Module):
         self.B = nn.Parameter(torch.zeros(base.out_features, rank))
         self.scale = alpha / rank
         self.active = False
-        self.merged = None
 
     def forward(self, x):
         if not self.active:
             return self.base(x)
-        if self.merged is not None:
-            return F.linear(x, self.merged, self.base.bias)
         return self.base(x) + self.scale * F.linear(F.linear(x, self.A), self.B)
 
 
@@ -206,7 +202,7 @@ class DepthKV:
     def __init__(self, n_layer, B, device):
         self.kv = [[None, None] for _ in range(n_layer)]
         self.lookups = [torch.zeros(B, 0, dtype=dt, device=device) for dt in (torch.long, torch.long, torch.bool)]
-        self.batch, self.len, self.slot, self.next_pos = B, 0, 0, 0
+        self.batch, self.len, self.next_pos = B, 0, 0
 
     pos = property(lambda self: self.lookups[0][:, :self.len])
     depth = property(lambda self: self.lookups[1][:, :self.len])
@@ -215,8 +211,7 @@ class DepthKV:
     def reserve(self, T, block_size):
         """Claim positions for T new tokens; returns the first one."""
         start = self.next_pos
-        if start + T > block_size:
-            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={block_size}")
+        check_length(start, T, block_size)
         self.next_pos += T
         return start
 
@@ -229,7 +224,7 @@ class DepthKV:
     def add(self, pos, depth, valid, rows=None):
         """Row slots for one pass: the states (pos, depth, valid) (B', Tq) of batch rows `rows`."""
         self.lookups = [self.write(buf, x, 1, rows) for buf, x in zip(self.lookups, (pos, depth, valid))]
-        self.slot, self.len = self.len, self.len + pos.size(1)
+        self.len += pos.size(1)
 
     def update(self, i, k, v, rows=None):
         """Write layer i's new K/V (B', Hkv, Tq, hd) into this pass's slots; return the K/V of

@@ -94,11 +94,11 @@ def test_gradcheck_hd_intra_folded_into_the_batch():
         gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])
 
 
-def test_gradcheck_hd_kv_mirror_final_stream_skip():
+def test_gradcheck_hd_kv_mirror_mirror_skip_on():
     torch.manual_seed(0)
     model = HiddenDecoding(HDConfig(**{**TINY, "n_experts": 0}, n_streams=2, layout="IFL", window=3,
                                     mirror_skip=True)).double()
-    assert model.cfg.final_stream_skip
+    assert model.cfg.mirror_skip_on
     idx, tgt = batch(4)
     for name in ("tables.0.weight", "backbone.blocks.0.attn.k_proj.weight", "backbone.blocks.2.attn.k_proj.weight"):
         gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])

@@ -17,7 +17,7 @@ from hd import HDConfig, HiddenDecoding, expand_streams, fold, full, intra, loca
 from moe import ModelConfig, Transformer, attend, dense_mask
 
 FAST = settings(max_examples=25, deadline=None)
-MASK_OF = {"F": lambda n, w: full(), "L": lambda n, w: local(w), "I": lambda n, w: intra(n),
+MASK_OF = {"F": lambda n, w: full, "L": lambda n, w: local(w), "I": lambda n, w: intra(n),
            "S": lambda n, w: shared_intra(n)}  # S: I with shared KV
 
 
@@ -82,7 +82,7 @@ def test_local_with_wide_window_is_full_and_n1_masks_are_causal(n, L):
     t = torch.arange(n * L)
     causal = torch.ones(n * L, n * L, dtype=torch.bool).tril()
     assert torch.equal(dense_mask(local(n * L), t, t), causal)
-    assert torch.equal(dense_mask(full(), t, t), causal)
+    assert torch.equal(dense_mask(full, t, t), causal)
     t1 = torch.arange(L)
     for make in (intra, shared_intra):
         assert torch.equal(dense_mask(make(1), t1, t1), torch.ones(L, L, dtype=torch.bool).tril())
@@ -188,7 +188,7 @@ def test_mirror_skip_equals_running_every_stream(model, L, shared, impl):
         shared = False
     skip = twin(model, mirror_skip=True, shared_kv=shared, attn_impl=impl).train()
     ref = twin(model, mirror_skip=False, shared_kv=shared, attn_impl="dense").train()
-    assert skip.cfg.final_stream_skip and not ref.cfg.final_stream_skip
+    assert skip.cfg.mirror_skip_on and not ref.cfg.mirror_skip_on
     idx = torch.randint(model.cfg.vocab_size, (2, L + 1))
     a, la = skip(idx[:, :-1], idx[:, 1:])
     b, lb = ref(idx[:, :-1], idx[:, 1:])
@@ -220,18 +220,18 @@ def test_under_the_skip_mirrored_routers_count_only_final_stream_rows():
 
 
 def test_mirror_skip_is_on_by_default_only_where_exact():
-    assert hd_cfg(kv_mirror=True).final_stream_skip is True
-    assert hd_cfg(kv_mirror=False).final_stream_skip is False
-    assert hd_cfg(kv_mirror=True, objective="sum").final_stream_skip is False
+    assert hd_cfg(kv_mirror=True).mirror_skip_on is True
+    assert hd_cfg(kv_mirror=False).mirror_skip_on is False
+    assert hd_cfg(kv_mirror=True, objective="sum").mirror_skip_on is False
 
 
 def test_config_copies_and_replaces_like_any_dataclass():
     cfg = hd_cfg(kv_mirror=True)
     assert replace(cfg) == cfg and cfg.mirror_skip is None  # the skip is resolved, not written back
     off = replace(cfg, kv_mirror=False)  # raised before: mirror_skip had been set to True
-    assert off.mirror_skip is None and not off.final_stream_skip
+    assert off.mirror_skip is None and not off.mirror_skip_on
     assert replace(off, kv_mirror=True) == cfg
-    assert replace(cfg, objective="sum").final_stream_skip is False
+    assert replace(cfg, objective="sum").mirror_skip_on is False
     with pytest.raises(ValueError, match="mirror_skip"):
         replace(cfg, mirror_skip=True, objective="all")
 
@@ -313,7 +313,7 @@ def test_cached_decoding_equals_the_full_forward(model, T, steps, shared, B):
             t += k
     # every stream's rows are kept: n per token, or one per token with the streams as batch rows
     assert [len(c) * c.k.size(0) for c in caches] == [t * model.cfg.n_streams * B] * model.cfg.n_layer \
-        or model.skip_from() is not None
+        or model.mirror_skip_from() is not None
 
 
 @FAST
