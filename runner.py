@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import multiprocessing
+import multiprocessing.util
 import os
 import queue
 import re
@@ -350,7 +351,7 @@ def train_in_processes(args, todo, data, stages, rates, rows, rows_path, work=No
                 suite, seed = waiting.pop(0)
                 running[suite, seed] = ctx.Process(target=report_to, args=(results, work or train_one, (
                     args, suite, seed, data[suite], stages[suite], rates)), daemon=True)
-                with ignoring_ctrl_c():  # the process inherits it: Ctrl-C stops the parent, which stops it
+                with ctrl_c_deferred():  # Ctrl-C stops the parent (never lost), which stops the processes
                     running[suite, seed].start()
             found = next_result(results, running)
             if found is None:
@@ -363,7 +364,8 @@ def train_in_processes(args, todo, data, stages, rates, rows, rows_path, work=No
                 f"~{left / max(1, min(args.jobs, len(todo) - done)) / 60:.1f} min of training left")
     finally:
         for p in running.values():  # stop the others now, not after their (suite, seed)s
-            p.terminate()
+            if p.is_alive():
+                p.terminate()
     return rows
 
 
@@ -386,15 +388,25 @@ def next_result(results, running):
 
 
 @contextlib.contextmanager
-def ignoring_ctrl_c():
-    """SIGINT ignored while a --jobs process starts: a process started with it ignored keeps it
-    ignored (Python installs its KeyboardInterrupt only where the parent left SIGINT alone), so
-    Ctrl-C, which the terminal sends to every process of the run, prints one line, the parent's."""
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+def ctrl_c_deferred():
+    """While a --jobs process starts (seconds: spawn pickles its task): a Ctrl-C is held and acted
+    on once the start returns, so it is never lost and never lands in the middle of the start.
+    The process itself is launched as `sh -c 'trap "" INT; exec python ...'`: it runs with SIGINT
+    ignored from its interpreter's first line (Python installs its KeyboardInterrupt only where
+    SIGINT is not ignored), so Ctrl-C, which the terminal sends to every process of the run,
+    prints one line, the parent's, and the parent stops the processes."""
+    held = []
+    before = signal.signal(signal.SIGINT, lambda sig, frame: held.append(sig))
+    spawn = multiprocessing.util.spawnv_passfds
+    multiprocessing.util.spawnv_passfds = lambda path, args, fds: spawn(
+        b"/bin/sh", ["/bin/sh", "-c", 'trap "" INT; exec "$0" "$@"', os.fsdecode(path), *args[1:]], fds)
     try:
         yield
     finally:
+        multiprocessing.util.spawnv_passfds = spawn
         signal.signal(signal.SIGINT, before)
+    if held and callable(before):  # Python's handler raises KeyboardInterrupt; an ignored SIGINT stays ignored
+        before(signal.SIGINT, None)
 
 
 def report_to(results, work, task):

@@ -1009,3 +1009,47 @@ def test_a_non_finite_evaluation_stops_the_run_and_leaves_no_results(tmp_path):
     with pytest.raises(SystemExit, match="held-out loss is nan"):
         tt.main(["--smoke", "--suite", "moe", "--lr=1e20", "--iters=1", "--out", str(tmp_path)])
     assert not (tmp_path / "results.json").exists()  # not the earlier run's, beside a failed one
+
+
+class SlowToPickle:
+    """Task data whose pickling (in the parent, inside Process.start) takes 3 s: a wide start-up
+    window. It marks the window's start in a file; unpickled in the process, it records its pid."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __reduce__(self):
+        (Path(self.folder) / "starting").write_text("")
+        time.sleep(3)
+        return record_pid, (self.folder,)
+
+
+def record_pid(folder):
+    (Path(folder) / "pid0").write_text(str(os.getpid()))
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_ctrl_c_while_a_jobs_process_starts_is_not_lost(tmp_path):
+    """SIGINT to the run's process group while the parent is inside a --jobs process's start
+    (its task takes 3 s to pickle): the run stops with exit code 130 and one line, no traceback
+    from either process, and no process left. (Before: SIGINT was ignored there, and lost.)"""
+    script = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              f"import sys; sys.path.insert(0, {str(HERE)!r}); import train_tiny as tt, runner, test_train_tiny as t\n"
+              "runner.train_one = t.sleeps\n"
+              "runner.SUITES['moe'] = tt.replace(runner.SUITES['moe'], protocol=lambda *a: ([], {}), extra=None, "
+              f"task=lambda P: t.SlowToPickle({str(tmp_path)!r}))\n"
+              f"runner.main(['--smoke', '--suite', 'moe', '--seeds', '2', '--jobs', '2', '--out', {str(tmp_path)!r}])\n")
+    run = subprocess.Popen([sys.executable, "-c", script], cwd=HERE, start_new_session=True, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for _ in range(1200):
+        if (tmp_path / "starting").exists():
+            break
+        time.sleep(0.1)
+    time.sleep(1.0)  # inside the 3-second start
+    os.killpg(run.pid, signal.SIGINT)
+    out, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.count("interrupted: what finished is saved") == 1, err
+    assert all_ended(pids_written([tmp_path / "pid0"]) if (tmp_path / "pid0").exists() else [])
