@@ -157,9 +157,11 @@ def check_caches(caches, n_layer, block_size, rows_per_token=lambda i: 1):
     """A forward's caches: one per layer, as generate.make_caches gives them (each with room for
     block_size tokens at the layer's rows per token, all holding the same tokens). Returns how
     many tokens they hold. (Each checks its batch size itself, before its first write.)"""
-    if not isinstance(caches, (list, tuple)) or len(caches) != n_layer:
-        raise ValueError(f"caches must be a list of one cache per layer ({n_layer}): take them from "
-                         "generate.make_caches(model)")
+    if (not isinstance(caches, (list, tuple)) or len(caches) != n_layer
+            or not all(hasattr(c, "update") and hasattr(c, "__len__") for c in caches)):
+        raise ValueError(f"caches must be a list of one KV cache per layer ({n_layer}): take them from "
+                         f"generate.make_caches(model); got {type(caches).__name__} of "
+                         f"{[type(c).__name__ for c in caches] if isinstance(caches, (list, tuple)) else '?'}")
     tokens = len(caches[0]) // rows_per_token(0)
     for i, c in enumerate(caches):
         r = rows_per_token(i)
@@ -184,11 +186,16 @@ def check_depths(name, depths, like, max_depth):
                          f"[{depths.min().item()}, {depths.max().item()}]")
 
 
-def check_routing(cfg, modes, idx, targets, mode, depths, cache, threshold):
+def check_routing(cfg, modes, idx, targets, mode, depths, cache, threshold, cache_type):
     """ThinkAtHard.forward's inputs: a known mode, token ids, the oracle's depths, a cache of
-    idx's batch size, a threshold in (0, 1) or None."""
+    idx's batch size and layers (a cache_type), a threshold in (0, 1) or None."""
     if mode not in modes:
         raise ValueError(f"mode must be one of {modes}, got {mode!r}")
+    if cache is not None and not isinstance(cache, cache_type):
+        raise ValueError(f"cache must be None or one {cache_type.__name__} for the whole model (generate.TaHCache "
+                         f"for decoding), got {type(cache).__name__}")
+    if cache is not None and len(cache.kv) != cfg.n_layer:
+        raise ValueError(f"the cache was made for {len(cache.kv)} layer(s), this model has {cfg.n_layer}")
     check_tokens(idx, targets, cfg.vocab_size)
     check_flex(cfg.attn_impl, idx.device)
     if mode == "oracle":
@@ -216,6 +223,10 @@ def check_oracle(ref_logits, targets, max_depth, response):
     if not isinstance(ref_logits, torch.Tensor) or ref_logits.shape[:-1] != targets.shape or ref_logits.dim() != 3:
         raise ValueError(f"ref_logits must have shape (B, T, V) with (B, T) = targets' {tuple(targets.shape)}, "
                          f"got {tuple(getattr(ref_logits, 'shape', ()))}")
+    bad = (targets != -1) & ((targets < 0) | (targets >= ref_logits.size(-1)))
+    if bad.any():
+        raise ValueError(f"targets must be -1 (ignored: never hard) or a token id in [0, {ref_logits.size(-1)}), "
+                         f"got {targets[bad][0].item()}")
     if response is not None and (not isinstance(response, torch.Tensor) or response.dtype != torch.bool
                                  or response.shape != targets.shape):
         raise ValueError(f"response must be None or a bool tensor of targets' shape {tuple(targets.shape)}, "
@@ -229,6 +240,20 @@ def check_generation(idx, max_new_tokens, temperature, sample_top_k, cfg):
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     check_length(idx.size(1), max_new_tokens, cfg.block_size, "tokens (prompt + max_new_tokens)")
     check_sampling(temperature, sample_top_k, cfg.vocab_size)
+
+
+def check_logits(logits):
+    """sample's logits: a float tensor (B, V), every value finite or -inf (a masked token)."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a float tensor (B, V), got {getattr(logits, 'shape', type(logits))}")
+    if torch.isnan(logits).any() or (logits == float("inf")).any() or (logits == float("-inf")).all(-1).any():
+        raise ValueError("logits must be finite (or -inf for a masked token, not every token of a row); got NaN, "
+                         "+inf or a row with no token left")
+
+
+def check_generator(generator):
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be None or a torch.Generator, got {type(generator).__name__}")
 
 
 def check_sampling(temperature, sample_top_k, vocab_size):

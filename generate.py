@@ -24,9 +24,10 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from checks import check_generation, check_sampling, is_int
-from moe import upcast
-from tah import DepthKV
+from checks import check_generation, check_generator, check_logits, check_sampling, is_int
+from hd import HiddenDecoding
+from moe import Transformer, upcast
+from tah import DepthKV, ThinkAtHard
 
 
 class KVCache:
@@ -61,6 +62,9 @@ class KVCache:
 
 def make_caches(model):
     """One KVCache per layer with room for block_size tokens (moe.Transformer, hd.HiddenDecoding)."""
+    if isinstance(model, ThinkAtHard) or not isinstance(model, (Transformer, HiddenDecoding)):
+        raise ValueError(f"make_caches and generate take a moe.Transformer or hd.HiddenDecoding, got "
+                         f"{type(model).__name__}" + (": use TaHCache and generate_tah" * isinstance(model, ThinkAtHard)))
     per_token = getattr(model, "kv_rows_per_token", lambda i: 1)
     return [KVCache(model.cfg.block_size * per_token(i)) for i in range(model.cfg.n_layer)]
 
@@ -70,8 +74,13 @@ class TaHCache(DepthKV):
     every buffer written in place (the lookups now, each layer's K/V at its first write)."""
 
     def __init__(self, model, B, device):
+        check_tah(model, "TaHCache")
         if not is_int(B) or B < 1:
             raise ValueError(f"B must be an int >= 1 (batch rows), got {B!r}")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be a torch.device or a name such as 'cpu' or 'cuda', got {device!r}")
         cfg = model.cfg
         super().__init__(cfg.n_layer, B, device)
         self.capacity, self.slot = cfg.block_size * cfg.max_depth, 0  # slot: where this pass's rows start
@@ -97,10 +106,18 @@ class TaHCache(DepthKV):
         super().add(pos, depth, valid, rows)
 
 
+def check_tah(model, name):
+    if not isinstance(model, ThinkAtHard):
+        raise ValueError(f"{name} takes a tah.ThinkAtHard, got {type(model).__name__}" +
+                         (": use generate and make_caches" * isinstance(model, (Transformer, HiddenDecoding))))
+
+
 def sample(logits, temperature=1.0, sample_top_k=None, generator=None):
     """One token id per row of logits (B, V), as a (B, 1) tensor; temperature 0 is greedy;
     sample_top_k keeps the k largest logits (the sampling cut-off, not the MoE's top_k)."""
+    check_logits(logits)
     check_sampling(temperature, sample_top_k, logits.size(-1))
+    check_generator(generator)
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
     logits = upcast(logits) / temperature
@@ -114,8 +131,9 @@ def sample(logits, temperature=1.0, sample_top_k=None, generator=None):
 def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None):
     """Sample max_new_tokens after idx (B, T) with a KV cache per layer (moe.Transformer,
     hd.HiddenDecoding). The prompt runs as one forward, then one forward per new token."""
-    check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
     caches = make_caches(model)
+    check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
+    check_generator(generator)
     B, T = idx.shape
     out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # the tokens, written in place
     logits, _ = model(idx, caches=caches)
@@ -130,6 +148,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, gen
 def lora_merged(model):
     """Within: each of a ThinkAtHard's adapters runs merged into its weight, W + (alpha / r) B A,
     one matmul where it would take three. For decoding, where the weights hold still."""
+    check_tah(model, "lora_merged")
     with torch.no_grad():
         for m in model.loras:
             m.forward = merged_forward(m, torch.addmm(m.base.weight, m.B, m.A, alpha=m.scale))
@@ -153,7 +172,9 @@ def generate_tah(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None,
     """Token-by-token decoding of a ThinkAtHard; the decider (or "standard"/"always") sets each
     token's depth. Returns (tokens (B, T + new), passes of every token that entered the model
     (B, T + new - 1))."""
+    check_tah(model, "generate_tah")
     check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
+    check_generator(generator)
     if mode == "oracle":
         raise ValueError("generate cannot use mode 'oracle': it needs the reference labels of unseen tokens")
     B, T = idx.shape

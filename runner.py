@@ -41,10 +41,11 @@ from hd import HDConfig
 from report import RULE, judge, plot, summarize, table
 from tasks import Arith, Lookups, atomic, load_text
 from train_tiny import PRESETS, Preset, backbone_cfg, tah_config
-from trainer import DDP, MASTER, PROGRESS, WORLD, load_checkpoint, log
+from trainer import DDP, MASTER, PROGRESS, WORLD, load_checkpoint, log, start_ddp
 
 SUITES = {s.name: s for s in ablations.SUITES}  # the registry: every suite the runner knows, in report order
 HEADLINE = [s.name for s in train_tiny.HEADLINE]
+MAX_SEED0 = (2**63 - 1 - 2 * 10**9) // 1_000_003 - 10**6  # room for 10^6 seeds and 10^9 steps
 
 
 # -----------------------------------------------------------------------------
@@ -168,6 +169,8 @@ def check_process_flags(args):
         return "--jobs trains in processes of its own; under torchrun give --jobs 1 (each rank is one process)"
     if args.seed0 < 0:
         return f"--seed0 must be >= 0, got {args.seed0}"
+    if args.seed0 > MAX_SEED0:  # trainer.batch_gen: seed * 1_000_003 + 2 * step + 1 must fit a 64-bit seed
+        return f"--seed0 must be at most {MAX_SEED0:,} (the batch seeds derived from it must fit in 63 bits), got {args.seed0}"
     if args.data and not Path(args.data).is_file():
         return f"--data {args.data}: no such file" + (" (it is a folder)" if Path(args.data).is_dir() else "")
     return None
@@ -241,12 +244,9 @@ def check_batches(P, names, accum):
 
 def main(argv=None):
     args = parse(argv)
-    if DDP:
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
     try:  # the file system's errors (a path that is a folder, no permission, a full disk): one line each
+        if DDP:
+            start_ddp(args)  # trainer.py: the process group, or one line saying why not
         run(args, argv)
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (--jobs processes are stopped on the way out)
         if MASTER:  # under torchrun every rank gets it
@@ -254,8 +254,8 @@ def main(argv=None):
                   "--ckpt_every steps); run the same command to go on", file=sys.stderr)
         raise SystemExit(130)
     except OSError as e:
-        raise SystemExit(f"error: {e.strerror or e} ({e.filename or 'a file of this run'}); nothing of the step that "
-                         "met it is saved")
+        where = e.filename or "a file of this run"
+        raise SystemExit(f"error: {e.strerror or e} ({where}); nothing of the step that met it is saved")
     if DDP:
         dist.destroy_process_group()
 
@@ -264,6 +264,8 @@ def run(args, argv):
     """Train every (suite, seed) not done yet, saving the rows after each, then report."""
     P, out = args.P, Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for tmp in out.glob("*.tmp"):  # results or a token cache of a run killed mid-write
+        tmp.unlink(missing_ok=True)
     for stale in result_files():  # a run that stops early must not leave another run's results beside it
         (out / stale).unlink(missing_ok=True)
     torch.set_float32_matmul_precision("high")

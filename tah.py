@@ -299,8 +299,8 @@ class ThinkAtHard(nn.Module):
         With a cache, idx continues it. features=True keeps the decider's inputs for every
         pass (stage 2).
         """
+        check_routing(self.cfg, MODES, idx, targets, mode, depths, cache, threshold, DepthKV)  # before unpacking
         cfg, (B, T) = self.cfg, idx.shape
-        check_routing(cfg, MODES, idx, targets, mode, depths, cache, threshold)
         cache = DepthKV(cfg.n_layer, B, idx.device) if cache is None else cache
         start = cache.reserve(T, cfg.block_size)
         summed = first = None  # (B, T, V): logits summed over the depths run so far; depth 0's
@@ -427,6 +427,12 @@ class ThinkAtHard(nn.Module):
         after pass d, one weight per depth (§4.3); a number fixes it for every depth and batch,
         as the authors' code does (about #stop / #continue of their data set: 4.8 and 5.4).
         Returns (mean loss over decisions, scores, labels).
+
+        Where the defaults part from the authors' code (thu-nics/TaH): the class weight here is
+        the paper's per-depth, per-batch w^(d) (§4.2-4.3), theirs a fixed pos_weight (5.4 or 4.8)
+        or 1; on a batch mixing stops and continues the two differ by up to 9.6 in the loss. For
+        max_depth 3 this is one mean over every decision of every depth; their code combines the
+        depths otherwise, and its loss is 1.86-2.13 times this one.
         """
         check_stage2(self.cfg, idx, depths, pos_weight)
         with torch.no_grad():  # gradient reaches the decider only

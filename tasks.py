@@ -67,7 +67,9 @@ def text_key(text):
 def read_token_cache(cache, text=None):
     """(tokens, vocab) from a token cache, or None (and one line saying so) if it is damaged or
     holds another text's tokens (text: the text it must belong to; None: any): then the text is
-    tokenized again and the cache rewritten."""
+    tokenized again and the cache rewritten. A cache path that is a folder stops the run."""
+    if Path(cache).is_dir():
+        raise SystemExit(f"error: the token cache {cache} is a folder; remove it, or choose another --out")
     try:
         with np.load(cache) as z:
             tokens, vocab, digest, source = z["tokens"], z["vocab"], z["sha256"].tobytes(), str(z["text"])
@@ -309,6 +311,11 @@ def atomic(path, write):
         with open(tmp, "wb") as f:
             write(f)
         os.replace(tmp, path)
-    except BaseException:  # a full disk, a kill: no half-written .tmp stays behind
+    except OSError as e:  # a full disk, no permission: the error names the file being written
+        tmp.unlink(missing_ok=True)
+        if e.filename is None or str(e.filename) == str(tmp):
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise
+    except BaseException:  # a kill, a Ctrl-C: no half-written .tmp stays behind
         tmp.unlink(missing_ok=True)
         raise

@@ -4,12 +4,13 @@ The cached = full-forward properties of each model live beside that model's othe
 (test_moe.py, test_hd.py, test_tah.py) and run over generate.py's caches."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from generate import KVCache, TaHCache, generate, make_caches
+from generate import KVCache, TaHCache, generate, generate_tah, lora_merged, make_caches, sample
 from hd import HDConfig, HiddenDecoding
 from moe import ModelConfig, Transformer
 from tah import TaHConfig, ThinkAtHard
@@ -67,3 +68,38 @@ def test_generate_writes_prompt_and_new_tokens_to_block_size_exactly():
     assert out.shape == (2, 16)
     with pytest.raises(ValueError, match="block_size"):
         generate(model, torch.randint(61, (2, 6)), 11)
+
+
+def tah_model(n_layer=3):
+    return ThinkAtHard(TaHConfig(vocab_size=11, block_size=16, n_layer=n_layer, n_embd=32, n_head=6, n_kv_head=2,
+                                 head_dim=8, n_experts=0, ffn_hidden=32, kv_mirror=n_layer >= 3, logit_topk=5,
+                                 max_depth=2, lora_rank=4))
+
+
+def moe_model():
+    return Transformer(ModelConfig(vocab_size=11, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
+                                   head_dim=8, n_experts=4, expert_hidden=16))
+
+
+IDX = torch.zeros(1, 4, dtype=torch.long)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: TaHCache(tah_model(1), 1, "nodevice"), "device must be"),
+    (lambda: tah_model(3)(IDX, cache=TaHCache(tah_model(1), 1, "cpu")), "made for 1 layer(s), this model has 3"),
+    (lambda: tah_model(3)(IDX, cache=make_caches(moe_model())), "cache must be None or one DepthKV"),
+    (lambda: generate(tah_model(), IDX, 2), "got ThinkAtHard: use TaHCache and generate_tah"),
+    (lambda: make_caches(tah_model()), "got ThinkAtHard: use TaHCache and generate_tah"),
+    (lambda: generate_tah(moe_model(), IDX, 2), "generate_tah takes a tah.ThinkAtHard, got Transformer"),
+    (lambda: TaHCache(moe_model(), 1, "cpu"), "TaHCache takes a tah.ThinkAtHard, got Transformer"),
+    (lambda: lora_merged(moe_model()).__enter__(), "lora_merged takes a tah.ThinkAtHard"),
+    (lambda: moe_model()(IDX, caches=(1, 2, 3)), "caches must be a list of one KV cache per layer"),
+    (lambda: moe_model()(IDX, caches=[None] * 3), "caches must be a list of one KV cache per layer"),
+    (lambda: generate(moe_model(), IDX, 2, generator="x"), "generator must be None or a torch.Generator"),
+    (lambda: generate_tah(tah_model(), IDX, 2, generator="x"), "generator must be None or a torch.Generator"),
+    (lambda: sample(torch.full((2, 5), float("nan")), temperature=0), "logits must be finite"),
+    (lambda: sample(torch.randn(32)), "logits must be a float tensor (B, V)"),
+])
+def test_decoding_refuses_what_it_cannot_serve_with_one_clear_error(call, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        call()

@@ -178,3 +178,18 @@ def test_tah_trace_reads_the_forward_it_draws_and_its_attention_obeys_the_duo_ca
     visible = trace["key_pos"][None, :] <= trace["query_pos"][:, None]
     assert (w[~visible] == 0).all()
     assert set(trace["key_depth"].tolist()) == {0, 1}
+
+
+def test_head_probes_count_disagreement_against_the_final_stream():
+    """Streams that disagree: stream k's share of positions whose top-1 differs from the final
+    stream's (k = n-1), against a loop over positions. A probe that compared with stream 0
+    instead would give stream 0 a share of 0 and the final stream a nonzero one."""
+    torch.manual_seed(5)
+    n, model = 3, hd_model(3)
+    last = torch.randn(2, 7, n, 32) * 5  # (B, L, n, C): random states, so the streams' top-1s differ
+    differs, _, _ = head_probes(model, last)
+    with torch.no_grad():
+        top = [[[model.head(last[b, i, k]).argmax().item() for k in range(n)] for i in range(7)] for b in range(2)]
+    want = [sum(top[b][i][k] != top[b][i][n - 1] for b in range(2) for i in range(7)) / 14 for k in range(n)]
+    assert want[n - 1] == 0 and want[0] > 0  # the example separates final from stream 0
+    torch.testing.assert_close(differs, torch.tensor(want, dtype=differs.dtype))

@@ -555,3 +555,25 @@ def test_knorm_normalizes_keys_only_so_the_key_scale_cancels_and_the_query_scale
         attn.q_proj.weight *= 3.0
         moved = (attn(u, pos, "causal") - base).abs().max().item()
     assert T == 1 or moved > 1e-4  # one key: softmax is 1 whatever the temperature
+
+
+@pytest.mark.parametrize("rope_fraction", [0.25, 0.5, 1.0])
+def test_partial_rope_leaves_the_other_head_dims_unrotated_in_the_model(rope_fraction):
+    """One token repeated: the first layer's queries and keys see the same input at every
+    position, so they differ between positions only where RoPE rotates: the first rope_dim dims
+    of each head (rope_fraction of head_dim) differ, the others are equal. Full RoPE in place of
+    partial would make every dim differ."""
+    cfg = small_cfg(rope_fraction=rope_fraction)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    calls = []
+    real = moe.attend
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "attend", lambda q, k, v, mask: calls.append((q, k)) or real(q, k, v, mask))
+        model(torch.full((1, 6), 3))
+    q, k = calls[0]  # layer 0: (1, heads, 6, head_dim)
+    rd = int(round(cfg.head_dim * rope_fraction))
+    for x in (q, k):
+        moved = (x - x[:, :, :1]).abs().amax((0, 1, 2))  # per head dim: the largest change over positions
+        assert (moved[:rd] > 1e-4).all()
+        assert (moved[rd:] < 1e-6).all()  # equal up to rounding (positions batch differently)

@@ -695,3 +695,19 @@ def test_bad_call_raises():
         generate_tah(model, idx, -1)
     with pytest.raises(ValueError, match="temperature"):
         generate_tah(model, idx, 2, temperature=float("nan"))
+
+
+@pytest.mark.parametrize("shape", [(8,), (1, 2, 3)])
+def test_an_idx_of_the_wrong_rank_is_refused_before_anything_unpacks_it(shape):
+    model = ThinkAtHard(TaHConfig(vocab_size=11, block_size=16, n_layer=1, n_embd=32, n_head=6, n_kv_head=2,
+                                  head_dim=8, n_experts=0, ffn_hidden=32, kv_mirror=False, logit_topk=5, lora_rank=4))
+    with pytest.raises(ValueError, match=r"idx must have shape \(B, T\)"):
+        model(torch.zeros(shape, dtype=torch.long))
+
+
+@pytest.mark.parametrize("target", [-5, 11])
+def test_oracle_targets_outside_the_vocabulary_are_refused_and_minus_one_means_ignored(target):
+    logits = torch.randn(2, 3, 11)
+    with pytest.raises(ValueError, match=r"targets must be -1 \(ignored: never hard\) or a token id in \[0, 11\)"):
+        oracle_depths(logits, torch.full((2, 3), target), 2)
+    assert (oracle_depths(logits, torch.full((2, 3), -1), 2) == 1).all()

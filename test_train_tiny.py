@@ -626,6 +626,9 @@ def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
     (["--block=1"], "holds no whole Lookups problem"),
     (["--digits=19"], "--digits must be <= 18"),
     (["--plays=macbeth,macbeth"], "names a play twice"),
+    (["--seed0", "100000000000000"], "--seed0 must be at most"),
+    (["--seed0", str(2**64)], "--seed0 must be at most"),
+    (["--seed0", "1e30"], "invalid int value"),
 ])
 def test_bad_arguments_exit_with_one_clear_message(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
@@ -1053,3 +1056,61 @@ def test_ctrl_c_while_a_jobs_process_starts_is_not_lost(tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert err.count("interrupted: what finished is saved") == 1, err
     assert all_ended(pids_written([tmp_path / "pid0"]) if (tmp_path / "pid0").exists() else [])
+
+
+def test_a_master_port_out_of_range_is_refused_at_start():
+    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="99999")
+    with pytest.raises(SystemExit, match="MASTER_PORT must be a port in 1..65535, got 99999"):
+        trainer.dist_env(env)
+
+
+@pytest.mark.parametrize("case", ["unresolvable address", "port in use"])
+def test_a_ddp_set_up_that_cannot_start_stops_with_one_line(case, monkeypatch):
+    """The process group's set-up sits inside main's error boundary: an address that does not
+    resolve is refused before c10d's retries; a port another process listens on gives one line."""
+    import socket
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    addr = "no.such.host.invalid" if case == "unresolvable address" else "127.0.0.1"
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR=addr,
+                     MASTER_PORT=str(busy.getsockname()[1])).items():
+        monkeypatch.setenv(k, v)
+    try:
+        with pytest.raises(SystemExit) as e:
+            trainer.start_ddp(Namespace(device="cpu"), timeout=20)
+    finally:
+        busy.close()
+    line = str(e.value.code)
+    assert line.startswith("error: ") and "\n" not in line
+    assert ("does not resolve" if case == "unresolvable address" else "did not start") in line
+
+
+def test_a_token_cache_that_is_a_folder_stops_with_one_line_naming_it(tmp_path, capsys):
+    tt.main(["--smoke", "--suite", "moe", "--out", str(tmp_path)])
+    (cache,) = tmp_path.glob("*.npz")
+    cache.unlink()
+    cache.mkdir()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        tt.main(["--smoke", "--suite", "moe", "--out", str(tmp_path)])
+    assert str(e.value.code) == f"error: the token cache {cache} is a folder; remove it, or choose another --out"
+    assert "tokenizing" not in capsys.readouterr().err
+
+
+def test_a_full_disk_names_the_file_being_written(tmp_path):
+    def full(f):
+        raise OSError(28, "No space left on device")  # as a write() raises it: no file name
+    with pytest.raises(OSError) as e:
+        tasks.atomic(tmp_path / "results.md", full)
+    assert e.value.filename == str(tmp_path / "results.md") and e.value.strerror == "No space left on device"
+    assert not list(tmp_path.iterdir())  # no .tmp left
+
+
+def test_temporaries_of_a_run_killed_mid_write_are_swept_from_out(tmp_path):
+    tt.main(["--smoke", "--suite", "moe", "--out", str(tmp_path)])
+    left = [tmp_path / f"results.md.{os.getpid()}.tmp", tmp_path / "results.json.7.tmp", tmp_path / "x.npz.7.tmp"]
+    for f in left:
+        f.write_text("half")
+    tt.main(["--smoke", "--suite", "moe", "--out", str(tmp_path)])
+    assert not any(f.exists() for f in left)

@@ -9,10 +9,12 @@ progress line, and held-out evaluation.
 """
 
 import contextlib
+import datetime
 import hashlib
 import io
 import math
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -45,11 +47,31 @@ def dist_env(env):
     if not env["MASTER_PORT"].isdigit() or not env["LOCAL_RANK"].isdigit():
         raise SystemExit(f"error: MASTER_PORT and LOCAL_RANK must be integers, got {env['MASTER_PORT']!r} and "
                          f"{env['LOCAL_RANK']!r}")
+    if not 0 < int(env["MASTER_PORT"]) < 65536:
+        raise SystemExit(f"error: MASTER_PORT must be a port in 1..65535, got {env['MASTER_PORT']}")
     return True, rank, world
 
 
 DDP, RANK, WORLD = dist_env(os.environ)
 MASTER = RANK == 0
+
+
+def start_ddp(args, timeout=60):
+    """torchrun's process group (nccl on CUDA, gloo on CPU), or one line saying why not: an
+    address that does not resolve, a port in use, no rendezvous within `timeout` seconds."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        socket.getaddrinfo(addr, port)
+    except OSError as e:
+        raise SystemExit(f"error: MASTER_ADDR={addr!r} does not resolve ({e.strerror or e}); launch with torchrun")
+    try:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, ValueError) as e:  # c10d's DistNetworkError and friends
+        raise SystemExit(f"error: the DDP process group did not start at {addr}:{port} "
+                         f"({str(e).splitlines()[0][:200]}); is the port free, and did every rank start?")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
 
 
 def log(*a):
