@@ -1114,3 +1114,31 @@ def test_temporaries_of_a_run_killed_mid_write_are_swept_from_out(tmp_path):
         f.write_text("half")
     tt.main(["--smoke", "--suite", "moe", "--out", str(tmp_path)])
     assert not any(f.exists() for f in left)
+
+
+def test_a_suite_registered_in_one_place_reaches_every_part_of_the_run(tmp_path, monkeypatch, capsys):
+    """A throwaway Suite, added to the registry and nowhere else: it is a --suite choice and in
+    --help, part of --suite all, planned by the probe (its stage in the progress plan), trained,
+    reported (its effect's table) and judged (its claim)."""
+    fx = tt.Effect("throwaway: an arm against its base", "no paper")
+
+    def protocol(P, args, seed, data):
+        torch.manual_seed(seed)
+        model = Transformer(ModelConfig(vocab_size=data.vocab_size, block_size=P.block, n_layer=3, n_embd=32,
+                                        n_head=6, n_kv_head=2, head_dim=8, n_experts=4, expert_hidden=16))
+        losses = tt.train("throwaway/arm", model, tt.lm_loss, data, P, args, seed)
+        return (tt.result_rows(fx, "base", seed, {"x": 1.0})
+                + tt.result_rows(fx, "arm", seed, {"x": 2.0 + len(losses) + seed})), {}
+    claim = report.Claim("throwaway: the arm beats its base", fx, "arm", "base", "x", +1)
+    monkeypatch.setitem(runner.SUITES, "throwaway", tt.Suite("throwaway", protocol, [claim],
+                                                             task=lambda P: tasks.Arith(P.digits), batch="tah_batch"))
+    with pytest.raises(SystemExit):
+        runner.parse(["--help"])
+    assert "throwaway" in capsys.readouterr().out
+    assert "throwaway" in runner.parse(["--suite", "all"]).suites
+    tt.main(["--smoke", "--suite", "throwaway", "--seeds", "2", "--jobs", "1", "--out", str(tmp_path)])
+    P = tt.PRESETS["smoke"]
+    assert trainer.PROGRESS.planned == [("throwaway/arm", P.iters)] * 2  # the probe's plan
+    assert f"**{fx.name}**" in (tmp_path / "results.md").read_text()
+    verdicts = json.loads((tmp_path / "results.json").read_text())["verdicts"]
+    assert [v["claim"] for v in verdicts] == [claim.name] and verdicts[0]["verdict"] == "shown"
