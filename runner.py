@@ -1,17 +1,11 @@
 """
 The runner of train_tiny.py: what turns the suites into a run. A learner may skip this file.
 
-- the command line, checked whole before anything trains (one line per problem);
-- DDP set-up under torchrun;
-- the run's folder and key (preset, flags, data, source files, world size), the finished rows
-  with their checksum, resume bookkeeping;
-- the planning probe (each suite's protocol once, every stage cut to a few steps) and the plan
-  the progress line counts down;
-- --jobs: (suite, seed)s in processes of their own, Ctrl-C, a process that dies;
-- the report: results.md, results.json and the suites' plots, from the rows alone.
-
-Every suite is read off SUITES (ablations.SUITES: the headline suites of train_tiny.py with
-their extra arms, then the rest): its name, task, batch field, claims, plots and analyses.
+The command line (checked whole before anything trains, one line per problem); the run's
+folder, key, rows and resume bookkeeping; the planning probe and the plan the progress line
+counts down; --jobs processes and Ctrl-C; the report (results.md, results.json, the plots).
+Every suite is read off SUITES: ablations.SUITES, the headline suites of train_tiny.py with
+their extra arms, then the rest.
 """
 
 import argparse
@@ -19,7 +13,6 @@ import contextlib
 import hashlib
 import json
 import math
-import multiprocessing
 import multiprocessing.util
 import os
 import queue
@@ -187,11 +180,7 @@ def check_device(device):
 
 
 def is_utf8(path):
-    try:
-        path.encode("utf-8")
-        return True
-    except UnicodeEncodeError:  # a byte that is not UTF-8 arrives as a surrogate escape
-        return False
+    return not any(0xDC80 <= ord(c) <= 0xDCFF for c in path)  # a byte that is not UTF-8 arrives as a surrogate escape
 
 
 def check_preset(P):
@@ -325,8 +314,8 @@ def planned(args, data, todo):
 
 
 def in_order(rows):
-    """Rows by suite (in SUITES' order), then seed, whatever order they finished in: the report's
-    sums over seeds, and so its last digits, do not depend on --jobs or on a resume."""
+    """Rows by suite (SUITES' order), then seed: the report's sums over seeds, and so its last
+    digits, depend neither on --jobs nor on a resume."""
     suites = list(SUITES)
     return sorted(rows, key=lambda r: (suites.index(r["suite"]), r["seed"]))
 
@@ -503,8 +492,7 @@ def load_rows(path, key):
 
 def result_files():
     """What a run writes in <out>: the results, the loss curves, and every suite's plots."""
-    return ("results.md", "results.json", "loss_curves.png") + tuple(
-        dict.fromkeys(f for s in SUITES.values() for f in s.outputs))
+    return ("results.md", "results.json", "loss_curves.png", *{f: 0 for s in SUITES.values() for f in s.outputs})
 
 
 def claims():
