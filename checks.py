@@ -153,7 +153,7 @@ def check_length(start, T, block_size, unit="tokens"):
         raise ValueError(f"sequence of {start + T} {unit} exceeds block_size={block_size}")
 
 
-def check_caches(caches, n_layer, block_size, rows_per_token=lambda i: 1):
+def check_caches(caches, n_layer, block_size, rows_per_token=lambda i: 1, window=lambda i: None):
     """A forward's caches: one per layer, as generate.make_caches gives them (each with room for
     block_size tokens at the layer's rows per token, all holding the same tokens). Returns how
     many tokens they hold. (Each checks its batch size itself, before its first write.)"""
@@ -165,6 +165,9 @@ def check_caches(caches, n_layer, block_size, rows_per_token=lambda i: 1):
     tokens = len(caches[0]) // rows_per_token(0)
     for i, c in enumerate(caches):
         r = rows_per_token(i)
+        if getattr(c, "window", None) != window(i):
+            raise ValueError(f"cache {i} keeps the last {getattr(c, 'window', None) or 'every'} rows, layer {i} reads "
+                             f"{window(i) or 'every row'}: take caches from generate.make_caches(model)")
         if len(c) != tokens * r or getattr(c, "capacity", block_size * r) < block_size * r:
             raise ValueError(f"cache {i} does not fit layer {i} of this model (it holds {len(c)} rows, room for "
                              f"{getattr(c, 'capacity', '?')}; the layer keeps {r} per token): take caches from "

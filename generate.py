@@ -8,9 +8,11 @@ same calls as its training forward's `tah.DepthKV`), so the caches here are plai
 
 - `KVCache`: one layer's keys and values, allocated once at the first write and written in
   place, so a step writes its new rows and attention reads a view of the rows so far.
+- `WindowCache`: a sliding-window (L) layer's ring of its last `window` rows, as Mistral's
+  rolling buffer: memory and reads stay flat as the context grows (HD §3.2's promise for SFA).
 - `make_caches(model)`: one per layer, for moe.Transformer and hd.HiddenDecoding (an HD layer
-  that attends within one stream keeps one row per token, its streams as batch rows; the
-  others keep all n rows of each token).
+  that attends within one stream keeps one row per token, its streams as batch rows; an L
+  layer its window; the others all n rows of each token).
 - `TaHCache`: tah.DepthKV preallocated, with its (position, depth, exists) lookups.
 - `generate` (moe, HD: each new token enters as its n stream rows in one step, the final
   stream's logits pick the next token, HD §3.2) and `generate_tah` (the decider sets each new
@@ -42,15 +44,19 @@ class KVCache:
     def __len__(self):
         return self.len  # a Python int: reading it never waits on the device
 
-    def update(self, k, v):
-        """Append k, v (B, Hkv, T, hd); return the K and V of every row so far."""
-        T = k.size(2)
-        if self.k is not None and k.size(0) != self.k.size(0):  # checked before anything is written
+    def check_room(self, k, T):
+        """Before anything is written: the batch the cache was started with, and room for T rows."""
+        if self.k is not None and k.size(0) != self.k.size(0):
             raise ValueError(f"the cache holds {self.k.size(0)} batch rows, this step has {k.size(0)}: "
                              "continue a cache with the batch it was started with")
         if self.len + T > self.capacity:
             raise ValueError(f"KV cache full: it holds {self.capacity} rows, {self.len} are written and "
                              f"{T} more do not fit")
+
+    def update(self, k, v):
+        """Append k, v (B, Hkv, T, hd); return the K and V of every row so far."""
+        T = k.size(2)
+        self.check_room(k, T)
         if self.k is None:
             self.k = k.new_zeros(*k.shape[:2], self.capacity, k.size(3))
             self.v = v.new_zeros(*v.shape[:2], self.capacity, v.size(3))
@@ -60,13 +66,43 @@ class KVCache:
         return self.k[:, :, :self.len], self.v[:, :, :self.len]
 
 
+class WindowCache(KVCache):
+    """A sliding-window layer's keys and values (hd.py's L, M^local): only the last `window`
+    rows, in a ring written in place (Mistral's rolling buffer cache), so memory and reads are
+    O(window) whatever the context. len() counts every row written (positions go on past the
+    ring); update returns what a new chunk's queries can reach: the window - 1 rows before it,
+    in order, then the chunk. `capacity` bounds the rows written, as block_size does."""
+
+    def __init__(self, window, capacity):
+        if not is_int(window) or window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
+        super().__init__(capacity)
+        self.window = window
+
+    def update(self, k, v):
+        T = k.size(2)
+        self.check_room(k, T)
+        if self.k is None:
+            self.k = k.new_zeros(*k.shape[:2], self.window, k.size(3))
+            self.v = v.new_zeros(*v.shape[:2], self.window, v.size(3))
+        before = torch.arange(self.len - min(self.window - 1, self.len), self.len, device=k.device) % self.window
+        keys, values = torch.cat([self.k[:, :, before], k], 2), torch.cat([self.v[:, :, before], v], 2)
+        last = torch.arange(self.len + T - min(T, self.window), self.len + T, device=k.device)  # rows the ring keeps
+        self.k[:, :, last % self.window] = k[:, :, last - self.len]
+        self.v[:, :, last % self.window] = v[:, :, last - self.len]
+        self.len += T
+        return keys, values
+
+
 def make_caches(model):
     """One KVCache per layer with room for block_size tokens (moe.Transformer, hd.HiddenDecoding)."""
     if isinstance(model, ThinkAtHard) or not isinstance(model, (Transformer, HiddenDecoding)):
         raise ValueError(f"make_caches and generate take a moe.Transformer or hd.HiddenDecoding, got "
                          f"{type(model).__name__}" + (": use TaHCache and generate_tah" * isinstance(model, ThinkAtHard)))
     per_token = getattr(model, "kv_rows_per_token", lambda i: 1)
-    return [KVCache(model.cfg.block_size * per_token(i)) for i in range(model.cfg.n_layer)]
+    window = getattr(model, "kv_window", lambda i: None)
+    return [KVCache(model.cfg.block_size * per_token(i)) if window(i) is None else
+            WindowCache(window(i), model.cfg.block_size * per_token(i)) for i in range(model.cfg.n_layer)]
 
 
 class TaHCache(DepthKV):

@@ -166,6 +166,11 @@ class HiddenDecoding(nn.Module):
         source layer's input. The first such layer, or None (no skip)."""
         return self.cfg.mirrored.start if self.cfg.mirror_skip_on else None
 
+    def kv_window(self, i):
+        """How many rows back layer i's keys reach: the window for an L layer (M^local), else None
+        (every earlier row). A cached L layer keeps and reads only those rows."""
+        return self.cfg.window if self.cfg.layout[i] == "L" else None
+
     def kv_rows_per_token(self, i):
         """K/V rows layer i keeps per token in cached decoding: 1 where it attends within one
         stream (folded: the streams are batch rows; or the final stream alone), else n."""
@@ -177,7 +182,8 @@ class HiddenDecoding(nn.Module):
         """Final residual states: (B, L*n, C), or (B, L, C) final-stream rows under the skip."""
         cfg, n, dev = self.cfg, self.cfg.n_streams, idx.device
         B, L = idx.shape
-        start = 0 if caches is None else check_caches(caches, cfg.n_layer, cfg.block_size, self.kv_rows_per_token)
+        start = 0 if caches is None else check_caches(caches, cfg.n_layer, cfg.block_size, self.kv_rows_per_token,
+                                                       self.kv_window)
         check_length(start, L, cfg.block_size)
         check_flex(cfg.attn_impl, dev)
         t = torch.arange(start * n, (start + L) * n, device=dev)  # expanded indices of the new rows
@@ -202,8 +208,9 @@ class HiddenDecoding(nn.Module):
             mod = layer_mask(cfg, i)
             if path == "causal":
                 mask = "causal"
-            elif path == "dense":
-                mask = dense_mask(mod, q_t, t_kv)
+            elif path == "dense":  # a cached L layer's cache returns only the rows its window reaches
+                reach = self.kv_window(i) if cache is not None else None
+                mask = dense_mask(mod, q_t, t_kv if reach is None else t_kv[max(0, start * n - reach + 1):])
             else:  # "block": built once per forward, shared by the layers of one type
                 key = (cfg.layout[i], final_only)
                 if key not in block_masks:

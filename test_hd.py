@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from generate import KVCache, generate, make_caches
+from generate import KVCache, WindowCache, generate, make_caches
 from hd import HDConfig, HiddenDecoding, expand_streams, fold, full, intra, local, shared_intra, unfold
 from moe import ModelConfig, Transformer, attend, dense_mask
 
@@ -337,6 +337,54 @@ def test_cache_filled_to_block_size_in_place_then_one_more_token_is_a_clear_erro
         assert [len(c) for c in caches] == [6 * model.kv_rows_per_token(i) for i in range(model.cfg.n_layer)]
         with pytest.raises(ValueError, match="block_size"):
             model(idx[:, :1], caches=caches)
+
+
+@FAST
+@given(window=st.integers(1, 9), chunks=st.lists(st.integers(1, 12), min_size=1, max_size=8), seed=st.integers(0, 99))
+def test_the_window_cache_returns_the_window_of_a_full_cache(window, chunks, seed):
+    """The ring (generate.WindowCache) against a brute force: a full KVCache fed the same chunks,
+    from which a chunk's queries can reach its rows and the window - 1 rows before it. Chunks
+    cross the ring's wrap-around and outgrow the window; the ring never holds more than it."""
+    g = torch.Generator().manual_seed(seed)
+    full, ring = KVCache(sum(chunks)), WindowCache(window, sum(chunks))
+    for T in chunks:
+        k, v = torch.randn(2, 2, T, 4, generator=g), torch.randn(2, 2, T, 4, generator=g)
+        K, V = full.update(k, v)
+        Kr, Vr = ring.update(k, v)
+        first = max(0, len(full) - T - (window - 1))
+        assert torch.equal(Kr, K[:, :, first:]) and torch.equal(Vr, V[:, :, first:])
+        assert len(ring) == len(full) and ring.k.size(2) == window
+
+
+@FAST
+@given(model=hd_models(block_size=40, window=2), T=st.integers(1, 30), steps=st.lists(st.integers(1, 4), max_size=3))
+def test_cached_decoding_with_prompts_many_windows_long_equals_the_full_forward(model, T, steps):
+    """A window of 2 rows against prompts of up to 30 tokens (up to 120 rows): the L layers'
+    rings wrap many times, in the prompt and in every chunk after it."""
+    idx = torch.randint(model.cfg.vocab_size, (2, T + sum(steps)))
+    caches = make_caches(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx[:, :T], caches=caches)[0], model(idx[:, :T])[0], atol=1e-5, rtol=1e-5)
+        t = T
+        for k in steps:
+            got, _ = model(idx[:, t:t + k], caches=caches)
+            torch.testing.assert_close(got, model(idx[:, :t + k])[0][:, t:], atol=1e-5, rtol=1e-5)
+            t += k
+
+
+def test_an_l_layer_reads_the_same_rows_per_step_at_2x_and_20x_its_window():
+    """The L layer's decode step: its cache holds `window` rows and hands the step the window - 1
+    rows before it plus the new token's n rows, after a prompt 2 or 20 windows long."""
+    n, window = 2, 4
+    model = HiddenDecoding(hd_cfg(layout="IFL", n_streams=n, window=window, block_size=81, kv_mirror=False)).eval()
+    read = []
+    for prompt in (2 * window, 20 * window):  # tokens
+        caches = make_caches(model)
+        with torch.no_grad():
+            model(torch.randint(61, (1, prompt)), caches=caches)
+            K, _ = caches[2].update(*(torch.zeros(1, 2, n, 8) for _ in range(2)))  # what the next step reads
+        read.append((K.size(2), caches[2].k.size(2)))
+    assert read[0] == read[1] == (window - 1 + n, window)
 
 
 def test_caches_that_do_not_fit_the_layers_are_refused():
