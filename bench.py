@@ -348,44 +348,67 @@ def hd_serving(prompts, batches, device, repeats, steps, n=4, width=64):
     kv_rows = []
     for name, streams, layout in [("n=1", 1, "IIFLII"), (f"n={n} SFA (IIFLII)", n, "IIFLII"),
                                   (f"n={n} all-full", n, "FFFFFF")]:
-        kept = streams * len(layout)  # this implementation keeps every stream's row in every layer
+        model = HiddenDecoding(hd_cfg(streams, layout, T, n_embd=width, head_dim=width // 4, expert_hidden=width))
+        caches = make_caches(model)  # what decoding keeps: an L layer's ring holds its window, whatever T
+        rings = sum(hasattr(c, "window") for c in caches)
+        kept = streams * (len(caches) - rings)  # every stream's row (an I layer's as batch rows)
         needed = sum(streams for c in layout if c != "L")  # L layers need only their last `window` rows
-        read = sum({"F": streams * streams * T, "I": streams * T, "L": streams * min(cfg.window, streams * T)}[c]
-                   for c in layout)
-        kv_rows.append([name, f"{kept * per_row}", f"{needed * per_row} + window", f"{read:,}"])
+        kv_rows.append([name, f"{kept * per_row}" + (f" + {rings} ring(s) of {model.cfg.window} rows" if rings else ""),
+                        f"{needed * per_row}" + (" + window" if rings else ""), f"{qk_pairs(streams, layout, T, cfg.window):,}"])
     base = int(kv_rows[0][3].replace(",", ""))
     for r in kv_rows:
         r.append(f"{int(r[3].replace(',', '')) / base:.1f}x")
     show(f"4b. KV cache per token of context (elements, all 6 layers; {cfg.n_kv_head} KV heads x {cfg.head_dim}) and "
          f"attention work per decoded token after {T} tokens (query-key pairs, all layers)", kv_rows,
-         ["model", "kept per token (as implemented)", "needed per token (L layers keep only their window)",
+         ["model", "kept per token (generate.make_caches)", "needed per token (L layers keep only their window)",
           "query-key pairs per decoded token", "vs n=1"])
 
 
+def qk_pairs(n, layout, S, window):
+    """Query-key pairs a decoded token's n rows score after S tokens, over the layers: an F layer
+    reads every row (n * S), an I layer its stream's S, an L layer its window (the ring)."""
+    return sum(n * {"F": n * S, "I": S, "L": min(window, n * S)}[c] for c in layout)
+
+
+class WholeCache(HiddenDecoding):
+    """The contrast to the ring: every layer's cache keeps and reads every row; an L layer's
+    mask hides the rows beyond its window (decoding before generate.WindowCache)."""
+
+    def kv_window(self, i):
+        return None
+
+
 def decode_vs_prompt(block, batches, device, repeats, steps, n=4, width=64):
-    """Decode cost per step as the prompt grows from 64 tokens to the block size (the last
-    prompt leaves room for exactly `steps` tokens, so the cache ends full): n = 1 and n = 4
-    (stream-factorized, as the paper benchmarks it, without the KV-mirror skip). With a cache
-    written in place, a step's cost grows only with the attention it does (I layers read S
-    rows, the F layer n*S, the L layer its window), not with copying what is cached."""
-    prompts = [p for p in (64, 128, 256, 512) if p < block - steps] + [block - steps]
+    """Decode cost per step as the prompt grows to the block size (the last prompt leaves room
+    for exactly `steps` tokens): n = 1, n = 4 stream-factorized (its L layer on a ring, and on a
+    whole cache, the contrast) and n = 4 all-full, none with the KV-mirror skip. With caches
+    written in place a step's cost grows only with the attention it does: I layers read S rows,
+    the F layer n*S, the L layer its window on the ring but n*S on a whole cache. Beside each row,
+    the attention work it predicts (qk_pairs, relative to n = 1)."""
+    prompts = [p for p in (64, 128, 256, 512, 1024, 2048, 4096) if p < block - steps] + [block - steps]
+    arms = {"n=1": (HiddenDecoding, 1, "IIFLII"), "SFA": (HiddenDecoding, n, "IIFLII"),
+            "SFA, whole cache": (WholeCache, n, "IIFLII"), "all-full": (HiddenDecoding, n, "FFFFFF")}
     models = {}
-    for streams in (1, n):
+    for name, (kind, streams, layout) in arms.items():
         torch.manual_seed(0)
-        cfg = hd_cfg(streams, "IIFLII", block, mirror_skip=False, n_embd=width, head_dim=width // 4, expert_hidden=width)
-        models[streams] = HiddenDecoding(cfg).to(device).eval()
-    rows = []
-    for B in batches:  # every (n, prompt) arm of a batch in one round-robin: drift hits them alike
-        res = timeit({(s, P): hd_decode(m, B, P, steps, device) for s, m in models.items() for P in prompts},
+        cfg = hd_cfg(streams, layout, block, mirror_skip=False, n_embd=width, head_dim=width // 4, expert_hidden=width)
+        models[name] = kind(cfg).to(device).eval()
+    w, rows = models["SFA"].cfg.window, []
+    for B in batches:  # every (arm, prompt) of a batch in one round-robin: drift hits them alike
+        res = timeit({(a, P): hd_decode(m, B, P, steps, device) for a, m in models.items() for P in prompts},
                      repeats, device, warmup=1)
-        t = {P: {s: res[(s, P)] for s in models} for P in prompts}
         for P in prompts:
-            rows.append([B, P, f"{B * steps / t[P][1]:.0f}", f"{B * steps / t[P][n]:.0f}", f"{t[P][1] / t[P][n]:.0%}",
-                         f"{t[P][1] / t[prompts[0]][1]:.2f}x", f"{t[P][n] / t[prompts[0]][n]:.2f}x"])
+            t, work = {a: res[(a, P)] for a in arms}, {a: qk_pairs(s, lay, P, w) for a, (_, s, lay) in arms.items()}
+            rows.append([B, P, f"{B * steps / t['n=1']:.0f}", f"{t['n=1'] / t['SFA']:.0%}",
+                         f"{t['n=1'] / t['SFA, whole cache']:.0%}", f"{t['SFA, whole cache'] / t['SFA']:.2f}x",
+                         f"{t['n=1'] / t['all-full']:.0%}", f"{work['SFA'] / work['n=1']:.1f}x",
+                         f"{work['all-full'] / work['n=1']:.1f}x"])
     show(f"4c. HD decode tokens/s against prompt length, 6-layer MoE width {width}, block size {block}, {steps} tokens "
-         f"decoded after the prompt (targets: n={n} >= 83% of n=1 at batch 1, >= 44% at batch 16 with long prompts)",
-         rows, ["batch", "prompt (tokens)", "n=1 tokens/s", f"n={n} tokens/s", f"n={n} as % of n=1",
-                f"n=1 step vs prompt {prompts[0]}", f"n={n} step vs prompt {prompts[0]}"])
+         f"decoded after the prompt (targets: n={n} SFA >= 83% of n=1 at batch 1 with a 64-token prompt, >= 44% at "
+         f"batch 16 with a 512-token one; the ring's gain over a whole cache grows with the prompt)",
+         rows, ["batch", "prompt (tokens)", "n=1 tokens/s", f"n={n} SFA (ring) as % of n=1",
+                f"n={n} SFA, whole cache", "ring's gain over the whole cache", f"n={n} all-full",
+                f"predicted attention work, n={n} SFA / n=1", "all-full / n=1"])
 
 
 def decode_profile(prompts, batches, device, steps, n=4, width=64):
@@ -457,7 +480,7 @@ def main(argv=None):
     q = args.quick
     if args.cuda:
         hd_serving({"short": 64, "long": 2048}, (1, 4, 16, 64), device, rep, steps=16, width=512)
-        decode_vs_prompt(4096, (1, 16), device, rep, steps=16, width=512)
+        decode_vs_prompt(4096 + 16, (1, 16), device, rep, steps=16, width=512)
         cuda_section(1024 if q else 8192, rep)
         return
     attention_by_mask(64 if q else 512, [1, 2, 4] if q else [1, 2, 4, 8], device, rep)
@@ -465,7 +488,7 @@ def main(argv=None):
     mirror_skip(16 if q else 128, 4, device, rep, widths=(32,) if q else (64, 256))
     hd_serving({"short": 8, "long": 32} if q else {"short": 64, "long": 512}, (1, 4) if q else (1, 4, 16, 64),
                device, rep, steps=2 if q else 8)
-    decode_vs_prompt(72 if q else 1024, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
+    decode_vs_prompt(72 if q else 4096 + 8, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
     decode_profile((8, 32) if q else (64, 1016), (1,) if q else (1, 16), device, steps=2 if q else 8)
     tah_costs(16 if q else 64, device, rep, widths=(32,) if q else (64, 256))
     tah_profile(16 if q else 64, device, rep, width=32 if q else 256)
