@@ -34,7 +34,7 @@ from hd import HDConfig
 from report import RULE, judge, plot, summarize, table
 from tasks import Arith, Lookups, atomic, load_text
 from train_tiny import PRESETS, Preset, backbone_cfg, tah_config
-from trainer import DDP, MASTER, PROGRESS, WORLD, load_checkpoint, log, start_ddp
+from trainer import DDP, MASTER, PROGRESS, WORLD, log, loss_curves, start_ddp
 
 SUITES = {s.name: s for s in ablations.SUITES}  # the registry: every suite the runner knows, in report order
 HEADLINE = [s.name for s in train_tiny.HEADLINE]
@@ -335,13 +335,15 @@ def train_in_processes(args, todo, data, stages, rates, rows, rows_path, work=No
     waiting = sorted(todo, key=lambda t: -seconds[t[0]])
     log(f"{len(todo)} (suite, seed)s in {args.jobs} processes at a time, {args.threads} thread(s) each")
     ctx = multiprocessing.get_context("spawn")
-    results, running, t0, left = ctx.Queue(), {}, time.time(), sum(seconds[suite] for suite, _ in todo)
+    results, running, started, took, t0 = ctx.Queue(), {}, {}, [0.0, 0.0], time.time()
+    run = (t0, sum(seconds[suite] for suite, _ in todo) / min(args.jobs, len(todo)))  # for every progress line
     try:
         while waiting or running:
             while waiting and len(running) < args.jobs:
                 suite, seed = waiting.pop(0)
+                started[suite, seed] = time.time()
                 running[suite, seed] = ctx.Process(target=report_to, args=(results, work or train_one, (
-                    args, suite, seed, data[suite], stages[suite], rates)), daemon=True)
+                    args, suite, seed, data[suite], stages[suite], rates, run)), daemon=True)
                 with ctrl_c_deferred():  # Ctrl-C stops the parent (never lost), which stops the processes
                     running[suite, seed].start()
             found = next_result(results, running)
@@ -349,15 +351,24 @@ def train_in_processes(args, todo, data, stages, rates, rows, rows_path, work=No
                 continue
             suite, seed, rows = found[0], found[1], in_order(rows + found[2])
             save_rows(rows_path, rows, args.run_key)
-            left -= seconds[suite]
+            took[0], took[1] = took[0] + time.time() - started[suite, seed], took[1] + seconds[suite]
             done = len(todo) - len(waiting) - len(running)
             log(f"{suite} seed {seed} finished ({done} of {len(todo)}) | elapsed {(time.time() - t0) / 60:.1f} min | "
-                f"~{left / max(1, min(args.jobs, len(todo) - done)) / 60:.1f} min of training left")
+                f"run ~{run_left(seconds, waiting, running, started, took[0] / max(took[1], 1e-9), args.jobs) / 60:.1f} min left")
     finally:
         for p in running.values():  # stop the others now, not after their (suite, seed)s
             if p.is_alive():
                 p.terminate()
     return rows
+
+
+def run_left(seconds, waiting, running, started, scale, jobs):
+    """The run's seconds left: what waits and what is left of what runs, each predicted by the
+    probe and scaled by `scale` (real over predicted seconds of what finished), over the jobs."""
+    now = time.time()
+    work = sum(seconds[s] * scale for s, _ in waiting) + sum(
+        max(0.0, seconds[s] * scale - (now - started[s, k])) for s, k in running)
+    return work / max(1, min(jobs, len(waiting) + len(running)))
 
 
 def next_result(results, running):
@@ -380,12 +391,11 @@ def next_result(results, running):
 
 @contextlib.contextmanager
 def ctrl_c_deferred():
-    """While a --jobs process starts (seconds: spawn pickles its task): a Ctrl-C is held and acted
-    on once the start returns, so it is never lost and never lands in the middle of the start.
-    The process itself is launched as `sh -c 'trap "" INT; exec python ...'`: it runs with SIGINT
-    ignored from its interpreter's first line (Python installs its KeyboardInterrupt only where
-    SIGINT is not ignored), so Ctrl-C, which the terminal sends to every process of the run,
-    prints one line, the parent's, and the parent stops the processes."""
+    """While a --jobs process starts (seconds: spawn pickles its task), a Ctrl-C is held and acted
+    on once the start returns: never lost, never mid-start. The process is launched under
+    `sh -c 'trap "" INT; exec python ...'`, so it ignores SIGINT from its interpreter's first
+    line (Python installs KeyboardInterrupt only where SIGINT is not ignored): Ctrl-C, sent to
+    every process of the run, prints one line, the parent's, and the parent stops the rest."""
     held = []
     before = signal.signal(signal.SIGINT, lambda sig, frame: held.append(sig))
     spawn = multiprocessing.util.spawnv_passfds
@@ -416,10 +426,10 @@ def report_to(results, work, task):
 def train_one(task):
     """One (suite, seed) in a process of its own: (suite, seed, its rows), or the line of the
     SystemExit that stopped it."""
-    args, suite, seed, data, stages, rates = task
+    args, suite, seed, data, stages, rates, run = task
     torch.set_float32_matmul_precision("high")
     torch.set_num_threads(args.threads)
-    PROGRESS.start(stages, rates)
+    PROGRESS.start(stages, rates, run)
     try:
         return suite, seed, run_suite(suite, args, seed, data)
     except SystemExit as e:
@@ -505,16 +515,6 @@ def inside_sections(args):
     found = [(f, title) for f, title in titles.items() if (args.run_dir / "inside" / f).exists()]
     return "".join(f"\n\n**{title}**, seed {args.seeds[0]}\n\n" + (args.run_dir / "inside" / f).read_text()
                    for f, title in found)
-
-
-def loss_curves(run_dir):
-    """(suite, arm) -> per-seed training losses, from the checkpoints' own record."""
-    curves = {}
-    for f in sorted((run_dir / "ckpt").glob("*.pt")):
-        state = load_checkpoint(f)
-        suite, arm = state["meta"]["arm"].split("/", 1)
-        curves.setdefault((suite, arm), []).append(state["losses"])
-    return curves
 
 
 def report(rows, args, P, out, argv, seconds):

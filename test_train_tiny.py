@@ -257,7 +257,7 @@ def test_a_worker_stopped_by_an_error_hands_its_one_line_to_the_parent(monkeypat
     monkeypatch.setitem(runner.SUITES, "moe", replace(runner.SUITES["moe"], protocol=stops))
     threads = torch.get_num_threads()
     try:
-        found = runner.train_one((runner.parse(["--smoke", "--suite", "moe"]), "moe", 3, None, [], {}))
+        found = runner.train_one((runner.parse(["--smoke", "--suite", "moe"]), "moe", 3, None, [], {}, None))
     finally:
         torch.set_num_threads(threads)  # train_one sets the process up as a worker's
     assert found == ("moe", 3, "error: [moe/arm s3] loss is nan at step 2")
@@ -1142,3 +1142,17 @@ def test_a_suite_registered_in_one_place_reaches_every_part_of_the_run(tmp_path,
     assert f"**{fx.name}**" in (tmp_path / "results.md").read_text()
     verdicts = json.loads((tmp_path / "results.json").read_text())["verdicts"]
     assert [v["claim"] for v in verdicts] == [claim.name] and verdicts[0]["verdict"] == "shown"
+
+
+def test_every_progress_line_carries_the_runs_time_left_under_jobs(tmp_path):
+    """Under --jobs 2, each process's step lines and the parent's "finished" lines all carry
+    the whole run's estimate ("run ~M min left"), not only their own (suite, seed)'s."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "train_tiny.py", "--smoke", "--suite", "moe,tah", "--seeds", "2", "--jobs",
+                          "2", "--log_every", "1", "--out", str(tmp_path)], cwd=HERE, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    steps = [l for l in out.stdout.splitlines() if "] step " in l]
+    finished = [l for l in out.stdout.splitlines() if " finished (" in l]
+    assert steps and len(finished) == 4
+    assert all(re.search(r"\| run ~\d+\.\d min left$", l) for l in steps + finished), steps + finished

@@ -93,14 +93,18 @@ class Progress:
     """The whole invocation's progress: the stages it plans to train, in order, as [arm, steps
     left], and the time left, from each arm's own seconds per step (the planning probe's at
     first, then its real steps'), scaled by how much of the time so far went to anything but
-    training steps (evaluation, building models)."""
+    training steps (evaluation, building models). A --jobs process trains one (suite, seed) of
+    the run; `run` = (the run's start, its predicted seconds from the probe's rates) then adds the
+    whole run's time left, that prediction scaled by how this process's time compares with the
+    probe's prediction of the work it has done."""
 
     def __init__(self):
-        self.plan, self.rate, self.arm, self.stepping, self.t0 = [], {}, 0, 0.0, time.time()
+        self.plan, self.rate, self.arm, self.stepping, self.t0, self.run = [], {}, 0, 0.0, time.time(), None
 
-    def start(self, plan, rates):
+    def start(self, plan, rates, run=None):
         self.planned, self.plan, self.rate = list(plan), [[arm, steps] for arm, steps in plan], dict(rates)
         self.total, self.arm, self.stepping, self.t0 = sum(s for _, s in plan), 0, 0.0, time.time()
+        self.probed, self.run = dict(rates), run
 
     def advance(self, arm, steps=1, seconds=None):
         """`steps` steps of arm done (one, in `seconds`, when timed; a resumed arm's, untimed)."""
@@ -119,7 +123,17 @@ class Progress:
         train_left = sum(max(s, 0) * self.rate.get(a, sum(known) / len(known)) for a, s in self.plan)
         left = train_left * (el / self.stepping if self.stepping > 0 else 1.0)
         return (f"arm {self.arm}/{len(self.plan)} | {getattr(self, 'total', 0) - left_steps}/{getattr(self, 'total', 0)} "
-                f"steps | elapsed {el / 60:.1f} min" + (f" | ~{left / 60:.1f} min left" if self.rate else ""))
+                f"steps | elapsed {el / 60:.1f} min" + (f" | ~{left / 60:.1f} min left" if self.rate and self.run else "")
+                + self.run_left(el, left))
+
+    def run_left(self, el, left):
+        """' | run ~M min left': in one process its own time left (the process is the run); in a
+        --jobs process (after its own) the run's prediction, scaled as said."""
+        if self.run is None:
+            return f" | run ~{left / 60:.1f} min left" if self.rate else ""
+        done = sum((steps - max(s, 0)) * self.probed.get(a, 0.0) for (a, steps), (_, s) in zip(self.planned, self.plan))
+        scale = el / done if done > 0 else 1.0
+        return f" | run ~{max(0.0, self.run[0] + self.run[1] * scale - time.time()) / 60:.1f} min left"
 
 
 PROGRESS = Progress()
@@ -271,6 +285,16 @@ def counting_saved(saved):
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
+
+
+def loss_curves(run_dir):
+    """(suite, arm) -> per-seed training losses, from the checkpoints' own record."""
+    curves = {}
+    for f in sorted((run_dir / "ckpt").glob("*.pt")):
+        state = load_checkpoint(f)
+        suite, arm = state["meta"]["arm"].split("/", 1)
+        curves.setdefault((suite, arm), []).append(state["losses"])
+    return curves
 
 
 def load_checkpoint(ckpt, dev="cpu"):
