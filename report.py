@@ -338,3 +338,60 @@ def plot_streams(summary, out_dir, cosine, mass, head):
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# -----------------------------------------------------------------------------
+# The masks as one picture (README): HD Figure 3's three masks and TaH's duo-causal mask (Eq. 5)
+
+
+def mask_panels(n=2, L=4, window=3, depths=(1, 2, 1, 2)):
+    """[(title, boolean matrix (queries, keys), query labels, key labels)] from the mask functions
+    themselves: hd.py's full, local and intra over n streams of L tokens (row "2b": token 2,
+    stream b), and tah.py's duo_causal over one row of per-token depths (row "2.1": token 2 at
+    depth 1), its states ordered depth by depth as a forward appends them."""
+    import torch
+    from hd import full, intra, local
+    from moe import dense_mask
+    from tah import dense_batch_mask, duo_causal
+    t = torch.arange(n * L)
+    hd_names = [f"{i}{'abcdefgh'[k]}" for i in range(L) for k in range(n)]
+    panels = [(f"HD {name}", dense_mask(mod, t, t), hd_names, hd_names) for name, mod in
+              (("F: full", full), (f"L: local, window {window}", local(window)), ("I: intra-stream", intra(n)))]
+    states = [(i, d) for d in range(max(depths)) for i, D in enumerate(depths) if D > d]
+    pos, dep = (torch.tensor([s[j] for s in states])[None] for j in (0, 1))
+    mod = duo_causal(pos, dep, pos, dep, torch.ones_like(pos, dtype=torch.bool))
+    names = [f"{i}.{d}" for i, d in states]
+    return panels + [(f"TaH duo-causal, depths {list(depths)}", dense_batch_mask(mod, 1, len(states), len(states),
+                                                                                    "cpu")[0, 0], names, names)]
+
+
+def draw_masks(panels):
+    """The panels (mask_panels) side by side, a dark cell where the query (row) sees the key
+    (column): a matplotlib figure, or None without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), squeeze=False)
+    for ax, (title, m, rows, cols) in zip(axes[0], panels):
+        ax.imshow(np.asarray(m, dtype=float), cmap="Greys", vmin=0, vmax=1)
+        ax.set_xticks(range(len(cols)), cols, fontsize=7, rotation=90)
+        ax.set_yticks(range(len(rows)), rows, fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("key", fontsize=8)
+    axes[0][0].set_ylabel("query", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_masks(path):
+    """docs/masks.png, the README's picture of the masks (`python report.py` draws it again)."""
+    fig = draw_masks(mask_panels())
+    if fig is None:
+        return None
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    print(plot_masks("docs/masks.png"))

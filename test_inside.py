@@ -3,11 +3,14 @@ a loop over the definition."""
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 import moe
+import report
 from hd import HDConfig, HiddenDecoding
 from inside import (OUTCOMES, entropy, head_probes, iteration_outcomes, recording_attention,
                     stream_cosine, stream_mass, stream_states, tah_trace)
@@ -193,3 +196,27 @@ def test_head_probes_count_disagreement_against_the_final_stream():
     want = [sum(top[b][i][k] != top[b][i][n - 1] for b in range(2) for i in range(7)) / 14 for k in range(n)]
     assert want[n - 1] == 0 and want[0] > 0  # the example separates final from stream 0
     torch.testing.assert_close(differs, torch.tensor(want, dtype=differs.dtype))
+
+
+def test_the_masks_picture_shows_the_mask_functions_cells():
+    """report.mask_panels on tiny sizes against the papers' definitions (a loop per cell), and
+    the drawn figure's pixel at each cell's centre: dark exactly where the query sees the key."""
+    pytest.importorskip("matplotlib")
+    n, L, window, depths = 2, 3, 2, (2, 1, 2)
+    panels = report.mask_panels(n, L, window, depths)
+    t = range(n * L)
+    want = [[[kv <= q for kv in t] for q in t], [[0 <= q - kv < window for kv in t] for q in t],
+            [[kv <= q and kv % n == q % n for kv in t] for q in t]]
+    states = [(i, d) for d in range(2) for i, D in enumerate(depths) if D > d]  # the order a forward appends
+    want.append([[j <= i and k <= d for (j, k) in states] for (i, d) in states])  # TaH Eq. 5
+    assert [m.tolist() for _, m, _, _ in panels] == want
+    fig = report.draw_masks(panels)
+    fig.canvas.draw()
+    pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3].mean(-1)  # (H, W) brightness, row 0 at the top
+    for ax, (_, m, _, _) in zip(fig.axes, panels):
+        for q in range(m.shape[0]):
+            for k in range(m.shape[1]):
+                x, y = ax.transData.transform((k, q))  # the cell's centre, y from the bottom
+                dark = pixels[int(round(pixels.shape[0] - y)), int(round(x))] < 128
+                assert dark == bool(m[q, k]), (ax.get_title(), q, k)
+    report.pyplot().close(fig)
