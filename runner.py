@@ -327,19 +327,19 @@ def in_order(rows):
 def train_in_processes(args, todo, data, stages, rates, rows, rows_path, work=None):
     """--jobs > 1: the (suite, seed)s to do, longest first, each in a fresh process of
     args.threads threads, args.jobs at a time (`work`, train_one unless a test says otherwise,
-    runs one); each one's rows are saved as it finishes. A (suite, seed) computes the same
-    numbers in any process (each suite seeds its own generators), so the rows equal a
-    one-process run's with the same --threads. An error, or a process that dies, stops them all
-    at once with one line; what finished is kept."""
+    runs one), its rows saved as it finishes: the same rows as one process's with the same
+    --threads (each suite seeds its own generators). An error, or a process that dies, stops
+    them all at once with one line; what finished is kept."""
     seconds = {suite: sum(steps * rates.get(arm, 0.0) for arm, steps in stages[suite]) for suite in stages}
     waiting = sorted(todo, key=lambda t: -seconds[t[0]])
     log(f"{len(todo)} (suite, seed)s in {args.jobs} processes at a time, {args.threads} thread(s) each")
     ctx = multiprocessing.get_context("spawn")
     results, running, started, took, t0 = ctx.Queue(), {}, {}, [0.0, 0.0], time.time()
-    run = (t0, sum(seconds[suite] for suite, _ in todo) / min(args.jobs, len(todo)))  # for every progress line
     try:
         while waiting or running:
             while waiting and len(running) < args.jobs:
+                scale = took[0] / took[1] if took[1] > 0 else None  # real over predicted seconds, of what finished
+                run = (time.time(), run_left(seconds, waiting, running, started, scale or 1.0, args.jobs), scale)
                 suite, seed = waiting.pop(0)
                 started[suite, seed] = time.time()
                 running[suite, seed] = ctx.Process(target=report_to, args=(results, work or train_one, (
@@ -354,7 +354,7 @@ def train_in_processes(args, todo, data, stages, rates, rows, rows_path, work=No
             took[0], took[1] = took[0] + time.time() - started[suite, seed], took[1] + seconds[suite]
             done = len(todo) - len(waiting) - len(running)
             log(f"{suite} seed {seed} finished ({done} of {len(todo)}) | elapsed {(time.time() - t0) / 60:.1f} min | "
-                f"run ~{run_left(seconds, waiting, running, started, took[0] / max(took[1], 1e-9), args.jobs) / 60:.1f} min left")
+                f"run ~{run_left(seconds, waiting, running, started, took[0] / took[1], args.jobs) / 60:.1f} min left")
     finally:
         for p in running.values():  # stop the others now, not after their (suite, seed)s
             if p.is_alive():
@@ -363,12 +363,13 @@ def train_in_processes(args, todo, data, stages, rates, rows, rows_path, work=No
 
 
 def run_left(seconds, waiting, running, started, scale, jobs):
-    """The run's seconds left: what waits and what is left of what runs, each predicted by the
-    probe and scaled by `scale` (real over predicted seconds of what finished), over the jobs."""
-    now = time.time()
-    work = sum(seconds[s] * scale for s, _ in waiting) + sum(
-        max(0.0, seconds[s] * scale - (now - started[s, k])) for s, k in running)
-    return work / max(1, min(jobs, len(waiting) + len(running)))
+    """The run's seconds left, as scheduled: the running (suite, seed)s finish, the waiting ones go in
+    order to the first process free; every time is the probe's prediction times `scale`."""
+    free = sorted([max(0.0, seconds[s] * scale - (time.time() - started[s, k])) for s, k in running] + [0.0] * jobs)
+    free = free[-jobs:]
+    for s, _ in waiting:
+        free = sorted([free[0] + seconds[s] * scale] + free[1:])
+    return free[-1]
 
 
 def next_result(results, running):

@@ -94,9 +94,10 @@ class Progress:
     left], and the time left, from each arm's own seconds per step (the planning probe's at
     first, then its real steps'), scaled by how much of the time so far went to anything but
     training steps (evaluation, building models). A --jobs process trains one (suite, seed) of
-    the run; `run` = (the run's start, its predicted seconds from the probe's rates) then adds the
-    whole run's time left, that prediction scaled by how this process's time compares with the
-    probe's prediction of the work it has done."""
+    the run; `run` = (when it started, the parent's prediction of the run's seconds left then,
+    the parent's real-over-predicted scale or None) then adds the whole run's time left: that
+    prediction counted down, at least this process's own time left. Before anything has
+    finished the parent knows no scale, and this process's own pace so far gives it."""
 
     def __init__(self):
         self.plan, self.rate, self.arm, self.stepping, self.t0, self.run = [], {}, 0, 0.0, time.time(), None
@@ -131,9 +132,11 @@ class Progress:
         --jobs process (after its own) the run's prediction, scaled as said."""
         if self.run is None:
             return f" | run ~{left / 60:.1f} min left" if self.rate else ""
-        done = sum((steps - max(s, 0)) * self.probed.get(a, 0.0) for (a, steps), (_, s) in zip(self.planned, self.plan))
-        scale = el / done if done > 0 else 1.0
-        return f" | run ~{max(0.0, self.run[0] + self.run[1] * scale - time.time()) / 60:.1f} min left"
+        start, predicted, scale = self.run
+        if scale is None:  # nothing has finished yet: this process's own pace so far scales the prediction
+            done = sum((steps - max(s, 0)) * self.probed.get(a, 0.0) for (a, steps), (_, s) in zip(self.planned, self.plan))
+            predicted *= el / done if done > 0 else 1.0
+        return f" | run ~{max(left, start + predicted - time.time()) / 60:.1f} min left"
 
 
 PROGRESS = Progress()
