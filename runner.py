@@ -106,8 +106,7 @@ def parse(argv):
     args = ap.parse_args(argv)
     names = {"headline": list(SUITES) if args.smoke else HEADLINE, "all": list(SUITES)}.get(
         args.suite, args.suite.split(","))  # --smoke: every code path
-    problem = check_args(args, names)
-    if problem:
+    if problem := check_args(args, names):
         ap.error(problem)
     args.preset_name = "smoke" if args.smoke else args.preset or "default"
     P = PRESETS[args.preset_name]
@@ -117,8 +116,7 @@ def parse(argv):
                     decider_iters=2, warmup=1, tah_eval_batches=1, seeds=1)
         args.out = args.out if args.out != "out" else "out-rehearsal"
     args.P = replace(P, **{f.name: getattr(args, f.name) for f in fields(Preset) if hasattr(args, f.name)})
-    problem = check_preset(args.P) or check_batches(args.P, names, args.accum)
-    if problem:
+    if problem := check_preset(args.P) or check_batches(args.P, names, args.accum):
         ap.error(problem)
     args.suites, args.seeds = names, range(args.seed0, args.seed0 + args.P.seeds)
     args.every_arm = args.suite == "all" or args.smoke or args.rehearse
