@@ -122,7 +122,7 @@ class Progress:
         left_steps = sum(max(s, 0) for _, s in self.plan)
         known = list(self.rate.values()) or [0.0]
         train_left = sum(max(s, 0) * self.rate.get(a, sum(known) / len(known)) for a, s in self.plan)
-        left = train_left * (el / self.stepping if self.stepping > 0 else 1.0)
+        left = train_left * (el / self.stepping if self.stepping > 5.0 else 1.0)  # the first seconds: start-up, not pace
         return (f"arm {self.arm}/{len(self.plan)} | {getattr(self, 'total', 0) - left_steps}/{getattr(self, 'total', 0)} "
                 f"steps | elapsed {el / 60:.1f} min" + (f" | ~{left / 60:.1f} min left" if self.rate and self.run else "")
                 + self.run_left(el, left))
