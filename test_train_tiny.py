@@ -231,7 +231,7 @@ def test_jobs_train_the_same_rows_as_one_process_in_any_order(tmp_path):
     one-process order): every row, and the report under its header, equals a one-process run's,
     and both runs share one key (the numbers do not depend on --jobs). A resumed run that
     finishes the seeds in another order writes the same report too."""
-    argv = ["--smoke", "--suite", "hd,tah", "--seeds", "2"]
+    argv = ["--preset", "smoke", "--suite", "hd,tah", "--seeds", "2"]  # the headline arms
     tt.main(argv + ["--jobs", "1", "--out", str(tmp_path / "one")])
     tt.main(argv + ["--jobs", "2", "--out", str(tmp_path / "two")])
     (one,), (two,) = (list((tmp_path / d).glob("run-*")) for d in ("one", "two"))
@@ -965,7 +965,7 @@ def test_averaging_over_ranks_leaves_a_parameter_no_rank_has_a_gradient_for_unto
 def test_muon_runs_every_suite(tmp_path):
     """TaH's stage 2 trains only the decider, which has no matrix inside the blocks: Muon gets
     nothing there and AdamW takes the rest."""
-    tt.main(["--smoke", "--muon", "--out", str(tmp_path)])
+    tt.main(["--preset", "smoke", "--suite", ",".join(runner.SUITES), "--muon", "--out", str(tmp_path)])  # every suite
     assert json.loads((tmp_path / "results.json").read_text())["verdicts"]
 
 
