@@ -189,16 +189,19 @@ def check_depths(name, depths, like, max_depth):
                          f"[{depths.min().item()}, {depths.max().item()}]")
 
 
-def check_routing(cfg, modes, idx, targets, mode, depths, cache, threshold, cache_type):
-    """ThinkAtHard.forward's inputs: a known mode, token ids, the oracle's depths, a cache of
-    idx's batch size and layers (a cache_type), a threshold in (0, 1) or None."""
+TAH_CACHE_CALLS = ("batch", "reserve", "add", "lookups", "len", "layers")  # what tah.DepthKV's docstring lists
+
+
+def check_routing(cfg, modes, idx, targets, mode, depths, cache, threshold):
+    """ThinkAtHard.forward's inputs: a known mode, token ids, the oracle's depths, a TaH cache of
+    idx's batch size and layers, a threshold in (0, 1) or None."""
     if mode not in modes:
         raise ValueError(f"mode must be one of {modes}, got {mode!r}")
-    if cache is not None and not isinstance(cache, cache_type):
-        raise ValueError(f"cache must be None or one {cache_type.__name__} for the whole model (generate.TaHCache "
+    if cache is not None and not all(hasattr(cache, a) for a in TAH_CACHE_CALLS):
+        raise ValueError(f"cache must be None or one TaH cache for the whole model (tah.DepthKV, or generate.TaHCache "
                          f"for decoding), got {type(cache).__name__}")
-    if cache is not None and len(cache.kv) != cfg.n_layer:
-        raise ValueError(f"the cache was made for {len(cache.kv)} layer(s), this model has {cfg.n_layer}")
+    if cache is not None and len(cache.layers) != cfg.n_layer:
+        raise ValueError(f"the cache was made for {len(cache.layers)} layer(s), this model has {cfg.n_layer}")
     check_tokens(idx, targets, cfg.vocab_size)
     check_flex(cfg.attn_impl, idx.device)
     if mode == "oracle":

@@ -4,7 +4,8 @@ Decoding for the three models: KV caches, sampling, and the generation loops.
 The serving side, kept apart from the methods as gpt-fast keeps its generate.py apart from
 its model.py: this file imports moe.py, hd.py and tah.py; they never import it. A model's
 forward reads a cache through `len(cache)` and `cache.update(k, v)` only (TaH's through the
-same calls as its training forward's `tah.DepthKV`), so the caches here are plain buffers:
+few calls its training cache `tah.DepthKV` lists, with the same update per layer), so the
+caches here are plain buffers:
 
 - `KVCache`: one layer's keys and values, allocated once at the first write and written in
   place, so a step writes its new rows and attention reads a view of the rows so far.
@@ -13,7 +14,8 @@ same calls as its training forward's `tah.DepthKV`), so the caches here are plai
 - `make_caches(model)`: one per layer, for moe.Transformer and hd.HiddenDecoding (an HD layer
   that attends within one stream keeps one row per token, its streams as batch rows; an L
   layer its window; the others all n rows of each token).
-- `TaHCache`: tah.DepthKV preallocated, with its (position, depth, exists) lookups.
+- `TaHCache`: the calls of tah.DepthKV over preallocated buffers, with its (position, depth,
+  exists) lookups.
 - `generate` (moe, HD: each new token enters as its n stream rows in one step, the final
   stream's logits pick the next token, HD §3.2) and `generate_tah` (the decider sets each new
   token's depth, TaH §4.2), with `lora_merged` running the depth adapter as one matmul.
@@ -26,10 +28,10 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from checks import check_generation, check_generator, check_logits, check_sampling, is_int
+from checks import check_generation, check_generator, check_length, check_logits, check_sampling, is_int
 from hd import HiddenDecoding
 from moe import Transformer, upcast
-from tah import DepthKV, ThinkAtHard
+from tah import ThinkAtHard
 
 
 class KVCache:
@@ -105,9 +107,10 @@ def make_caches(model):
             WindowCache(window(i), model.cfg.block_size * per_token(i)) for i in range(model.cfg.n_layer)]
 
 
-class TaHCache(DepthKV):
-    """tah.DepthKV preallocated for decoding B rows: room for block_size tokens at every depth,
-    every buffer written in place (the lookups now, each layer's K/V at its first write)."""
+class TaHCache:
+    """The TaH forward's cache preallocated for decoding B rows: the calls tah.DepthKV answers,
+    with room for block_size tokens at every depth and every buffer (the (position, depth,
+    exists) lookups, each layer's K/V) written in place at the slot of the pass add() opened."""
 
     def __init__(self, model, B, device):
         check_tah(model, "TaHCache")
@@ -118,28 +121,51 @@ class TaHCache(DepthKV):
         except (RuntimeError, TypeError):
             raise ValueError(f"device must be a torch.device or a name such as 'cpu' or 'cuda', got {device!r}")
         cfg = model.cfg
-        super().__init__(cfg.n_layer, B, device)
-        self.capacity, self.slot = cfg.block_size * cfg.max_depth, 0  # slot: where this pass's rows start
-        self.lookups = [x.new_zeros(B, self.capacity) for x in self.lookups]
+        self.capacity = cfg.block_size * cfg.max_depth
+        self.lookups = [torch.zeros(B, self.capacity, dtype=dt, device=device) for dt in (torch.long, torch.long, torch.bool)]
+        self.layers = [TaHLayerCache(self) for _ in range(cfg.n_layer)]
+        self.batch, self.len, self.next_pos, self.rows, self.slot = B, 0, 0, None, 0  # slot: where the pass's rows start
 
-    def write(self, buf, new, dim, rows):
-        if buf is None:  # a layer's K/V: its shape is known at its first write
-            shape = list(new.shape)
-            shape[0], shape[dim] = self.batch, self.capacity
-            buf = new.new_zeros(shape)
+    def reserve(self, T, block_size):
+        """Claim positions for T new tokens; returns the first one."""
+        check_length(self.next_pos, T, block_size)
+        self.next_pos += T
+        return self.next_pos - T
+
+    def write(self, buf, new, dim):
+        """Write new (B', ...) into buf's slots of this pass along dim, for the pass's batch rows."""
         dst = buf.narrow(dim, self.slot, new.size(dim))
-        if rows is None:
+        if self.rows is None:
             dst.copy_(new)
         else:
-            dst.index_copy_(0, rows, new)
-        return buf
+            dst.index_copy_(0, self.rows, new)
 
     def add(self, pos, depth, valid, rows=None):
         if self.len + pos.size(1) > self.capacity:
             raise ValueError(f"TaH cache full: it holds {self.capacity} rows, {self.len} are written and "
                              f"{pos.size(1)} more do not fit")
-        self.slot = self.len  # write() reads the slot; add() moves len on
-        super().add(pos, depth, valid, rows)
+        self.rows, self.slot = rows, self.len
+        for buf, x in zip(self.lookups, (pos, depth, valid)):
+            self.write(buf, x, 1)
+        self.len += pos.size(1)
+
+
+class TaHLayerCache:
+    """One layer of a TaHCache: moe's update(k, v), into the slots of the pass add() opened;
+    its K/V buffers are allocated at the first write, when their shape is known."""
+
+    def __init__(self, owner):
+        self.owner, self.k, self.v = owner, None, None
+
+    def update(self, k, v):
+        o = self.owner
+        if self.k is None:
+            shape = (o.batch, k.size(1), o.capacity, k.size(3))
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+        o.write(self.k, k, 2)
+        o.write(self.v, v, 2)
+        k, v = self.k[:, :, :o.len], self.v[:, :, :o.len]
+        return (k, v) if o.rows is None else (k.index_select(0, o.rows), v.index_select(0, o.rows))
 
 
 def check_tah(model, name):

@@ -205,7 +205,7 @@ def tah_trace(model, idx, threshold=None):
     if len(out.passes) > 1:  # someone went on: depth 1's queries are out.passes[1].sel
         p, n_layer = out.passes[1], model.cfg.n_layer
         w = calls[2 * n_layer - 1][0].mean(0)  # (Tq, Tk), the last layer of pass 2
-        keys = cache.valid[0]
+        pos, depth, keys = (t[0, :cache.len] for t in cache.lookups)
         trace.update(query_pos=p.sel[0][p.valid[0]], weights=w[p.valid[0]][:, keys],
-                     key_pos=cache.pos[0][keys], key_depth=cache.depth[0][keys])
+                     key_pos=pos[keys], key_depth=depth[keys])
     return trace

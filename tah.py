@@ -28,8 +28,6 @@ Run `python tah.py` for a small demo: the duo-causal mask drawn and the four rou
 
 import math
 from dataclasses import dataclass, field
-from functools import partial
-from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -196,17 +194,17 @@ class DepthKV:
     are concatenated (§4.1): each pass appends its rows and attends to all of them under the
     duo-causal mask. Every batch row gets the same row slots per pass; a batch row the pass
     skips (or a padded query) leaves its slots marked absent, and the mask reads positions and
-    depths, not row order. Grows by concatenation, so every pass stays in the autograd graph
-    (generate.TaHCache is the preallocated one for decoding)."""
+    depths, not row order. Grows by concatenation, so every pass stays in the autograd graph.
+
+    The forward reads a cache through these calls only (generate.TaHCache answers the same ones,
+    preallocated): `batch`, `reserve(T, block_size)`, `add(pos, depth, valid, rows)` (a pass's
+    row slots), `lookups` and `len`, and per layer moe's one call, `layers[i].update(k, v)`,
+    which fills the slots of the pass add() opened, for its batch rows."""
 
     def __init__(self, n_layer, B, device):
-        self.kv = [[None, None] for _ in range(n_layer)]
+        self.layers = [LayerKV(self) for _ in range(n_layer)]
         self.lookups = [torch.zeros(B, 0, dtype=dt, device=device) for dt in (torch.long, torch.long, torch.bool)]
-        self.batch, self.len, self.next_pos = B, 0, 0
-
-    pos = property(lambda self: self.lookups[0][:, :self.len])
-    depth = property(lambda self: self.lookups[1][:, :self.len])
-    valid = property(lambda self: self.lookups[2][:, :self.len])
+        self.batch, self.len, self.next_pos, self.rows = B, 0, 0, None
 
     def reserve(self, T, block_size):
         """Claim positions for T new tokens; returns the first one."""
@@ -215,39 +213,45 @@ class DepthKV:
         self.next_pos += T
         return start
 
-    def write(self, buf, new, dim, rows):
-        """buf with new appended along dim, for batch rows `rows` (None: all; the others get zeros)."""
-        if rows is not None:
-            new = new.new_zeros(self.batch, *new.shape[1:]).index_copy(0, rows, new)
+    def append(self, buf, new, dim):
+        """buf with new appended along dim, for this pass's batch rows (the others get zeros)."""
+        if self.rows is not None:
+            new = new.new_zeros(self.batch, *new.shape[1:]).index_copy(0, self.rows, new)
         return new if buf is None else torch.cat([buf, new], dim)
 
     def add(self, pos, depth, valid, rows=None):
-        """Row slots for one pass: the states (pos, depth, valid) (B', Tq) of batch rows `rows`."""
-        self.lookups = [self.write(buf, x, 1, rows) for buf, x in zip(self.lookups, (pos, depth, valid))]
+        """Row slots for one pass: the states (pos, depth, valid) (B', Tq) of batch rows `rows`
+        (None: every row)."""
+        self.rows = rows
+        self.lookups = [self.append(buf, x, 1) for buf, x in zip(self.lookups, (pos, depth, valid))]
         self.len += pos.size(1)
 
-    def update(self, i, k, v, rows=None):
-        """Write layer i's new K/V (B', Hkv, Tq, hd) into this pass's slots; return the K/V of
-        every row so far, of batch rows `rows`."""
-        self.kv[i] = [self.write(buf, x, 2, rows) for buf, x in zip(self.kv[i], (k, v))]
-        k, v = (x.narrow(2, 0, self.len) for x in self.kv[i])
-        return (k, v) if rows is None else (k.index_select(0, rows), v.index_select(0, rows))
 
-    def layer(self, i, rows=None):
-        """Layer i as a pass over batch rows `rows` sees it: what moe.Attention calls update on."""
-        return SimpleNamespace(update=partial(self.update, i, rows=rows))
+class LayerKV:
+    """One layer of a DepthKV: update(k, v) writes the pass's new K/V (B', Hkv, Tq, hd) and
+    returns the K/V of every row so far, of the pass's batch rows."""
+
+    def __init__(self, owner):
+        self.owner, self.k, self.v = owner, None, None
+
+    def update(self, k, v):
+        o = self.owner
+        self.k, self.v = o.append(self.k, k, 2), o.append(self.v, v, 2)
+        return (self.k, self.v) if o.rows is None else (self.k.index_select(0, o.rows), self.v.index_select(0, o.rows))
 
 
 @dataclass
 class DepthPass:
     """What one depth computed: the batch rows it ran, rows (B',) (every row at depth 0; deeper,
     those with a token going on), query rows sel (B', Tq) token indices, valid (B', Tq), final
-    hidden states (B', Tq, C), the decider's inputs and raw scores (B', Tq) where computed."""
+    hidden states (B', Tq, C), its logits (B', Tq, V), the decider's inputs and raw scores
+    (B', Tq) where computed."""
     depth: int
     rows: torch.Tensor
     sel: torch.Tensor
     valid: torch.Tensor
     hidden: torch.Tensor
+    logits: torch.Tensor
     features: DeciderInput = None
     score: torch.Tensor = None
 
@@ -299,34 +303,37 @@ class ThinkAtHard(nn.Module):
         With a cache, idx continues it. features=True keeps the decider's inputs for every
         pass (stage 2).
         """
-        check_routing(self.cfg, MODES, idx, targets, mode, depths, cache, threshold, DepthKV)  # before unpacking
+        check_routing(self.cfg, MODES, idx, targets, mode, depths, cache, threshold)  # before unpacking
         cfg, (B, T) = self.cfg, idx.shape
         cache = DepthKV(cfg.n_layer, B, idx.device) if cache is None else cache
         start = cache.reserve(T, cfg.block_size)
-        summed = first = None  # (B, T, V): logits summed over the depths run so far; depth 0's
+        summed = None  # (B, T, V): logits summed over the depths run so far (zeros of the logits' dtype at first)
         ran = torch.zeros(B, T, dtype=torch.long, device=idx.device)  # passes each token ran
-        active = torch.ones(B, T, dtype=torch.bool, device=idx.device)  # tokens that run depth d
+        # Depth 0 is the one pass every token runs: all of them, in order, on their embeddings.
+        subset, rows = None, torch.arange(B, device=idx.device)  # subset None: every batch row
+        sel, valid = torch.arange(T, device=idx.device).expand(B, T), torch.ones_like(idx, dtype=torch.bool)
+        x = self.backbone.wte(idx)
         passes = []
         for d in range(cfg.max_depth):
-            subset = self.batch_rows(active, d)  # None: every batch row
-            if subset is not None and subset.numel() == 0:
-                break  # no token goes on
-            rows = torch.arange(B, device=idx.device) if subset is None else subset
-            sel, valid = self.select(active if subset is None else active[subset], d)
-            x = self.backbone.wte(gather(idx, sel, rows)) if d == 0 else self.next_input(gather(summed, sel, rows))
             h, kept = self.run_pass(x, start + sel, d, valid, cache, subset)
             kept[cfg.n_layer] = self.backbone.norm_f(h)  # the last state after the final norm, as the authors'
             logits = self.backbone.lm_head(kept[cfg.n_layer])  # (B', Tq, V)
             summed, ran = self.accumulate(summed, ran, logits, rows, sel, valid, d)
-            first = summed if d == 0 else first
-            passes.append(DepthPass(d, rows, sel, valid, h))
+            passes.append(DepthPass(d, rows, sel, valid, h, logits))
             if mode == "decider" or features:
                 self.read_decider(passes[-1], kept, gather(summed, sel, rows), score=mode == "decider")
-            if d + 1 < cfg.max_depth:
-                active = self.route(mode, depths, passes[-1], d, (B, T), threshold or cfg.threshold)
+            if d + 1 == cfg.max_depth:
+                break
+            active = self.route(mode, depths, passes[-1], d, (B, T), threshold or cfg.threshold)
+            subset = self.batch_rows(active)
+            if subset is not None and subset.numel() == 0:
+                break  # no token goes on
+            rows = torch.arange(B, device=idx.device) if subset is None else subset
+            sel, valid = self.select(active if subset is None else active[subset])
+            x = self.next_input(gather(summed, sel, rows))  # Eq. 4: the pass so far's top-k, embedded
         loss = None if targets is None else F.cross_entropy(upcast(summed.flatten(0, 1)), targets.flatten(),
                                                             ignore_index=-1)
-        return TaHOutput(summed, loss, ran, first, passes)
+        return TaHOutput(summed, loss, ran, passes[0].logits, passes)
 
     def read_decider(self, p, kept, summed, score):
         """The decider's view of pass p (§4.2): the hidden states in cfg.decider_states and the
@@ -336,26 +343,21 @@ class ThinkAtHard(nn.Module):
                                   topv.to(self.decider.logit_proj.weight.dtype))  # its weights' dtype
         p.score = self.decider(p.features) if score else None
 
-    def batch_rows(self, active, d):
-        """The batch rows depth d runs: None = every row (depth 0, and gather=False, the
-        reference, which computes every token); else, with gather=True, the rows with a token
-        going on, (B',), possibly none. A row with nothing to do costs nothing: in batched
-        decoding the second pass runs only the rows whose token continues."""
-        if d == 0:
-            return None
+    def batch_rows(self, active):
+        """The batch rows a deeper pass runs: None = every row (gather=False, the reference,
+        which computes every token); else, with gather=True, the rows with a token going on,
+        (B',), possibly none. A row with nothing to do costs nothing: in batched decoding the
+        second pass runs only the rows whose token continues."""
         if not self.cfg.gather:
             return None if active.any() else active.new_zeros(0, dtype=torch.long)
         rows = active.any(1).nonzero().squeeze(1)  # one wait for the device, as the dynamic shape needs
         return None if rows.numel() == active.size(0) else rows
 
-    def select(self, active, d):
-        """The query rows of depth d among the batch rows it runs: sel (B', Tq) token indices,
-        valid (B', Tq). Depth 0 runs every token in order; a deeper depth with gather=True
-        left-packs each row's active tokens in position order, with gather=False it runs every
-        token and masks the inactive ones (the reference)."""
-        if d == 0:  # every token
-            sel = torch.arange(active.size(1), device=active.device).expand_as(active)
-            return sel, torch.ones_like(active)
+    def select(self, active):
+        """The query rows of a deeper pass among the batch rows it runs: sel (B', Tq) token
+        indices, valid (B', Tq). With gather=True it left-packs each row's active tokens in
+        position order; with gather=False it runs every token and masks the inactive ones (the
+        reference)."""
         if self.cfg.gather:
             n_act = active.sum(1)
             sel = torch.argsort((~active).int(), dim=1, stable=True)[:, :int(n_act.max())]
@@ -370,13 +372,13 @@ class ThinkAtHard(nn.Module):
         cfg, B, Tq = self.cfg, x.size(0), x.size(1)
         q_depth = torch.full_like(q_pos, d)
         cache.add(q_pos, q_depth, valid, rows)
-        lookups = [cache.pos, cache.depth, cache.valid]
+        lookups = [t[:, :cache.len] for t in cache.lookups]
         if rows is not None:
             lookups = [t.index_select(0, rows) for t in lookups]
         mod = duo_causal(q_pos, q_depth, *lookups, cfg.attention)
         Tk = cache.len
-        if cfg.attn_impl == "dense" and d == 0 and Tk == Tq:
-            mask = "causal"  # depth 0 of a fresh sequence: every token, no deeper keys yet, so Eq. 5 is causal
+        if cfg.attn_impl == "dense" and Tk == Tq:
+            mask = "causal"  # the first pass of a fresh cache (depth 0, every token in order): Eq. 5 is causal
         elif cfg.attn_impl == "flex":
             mask = create_block_mask(mod, B, None, Tq, Tk, device=x.device)
         else:
@@ -384,7 +386,7 @@ class ThinkAtHard(nn.Module):
         kept = {0: x}  # hidden states as the authors index them: 0 the input, i + 1 block i's output
 
         def layer(i, block, x, kv_u):
-            x, u = block(x, q_pos, mask, kv_u=kv_u, cache=cache.layer(i, rows))
+            x, u = block(x, q_pos, mask, kv_u=kv_u, cache=cache.layers[i])
             kept[i + 1] = x
             return x, u
         self.set_lora(d >= 1)  # Eq. 6: theta at depth 0, theta + Delta deeper
@@ -397,8 +399,7 @@ class ThinkAtHard(nn.Module):
     def accumulate(summed, ran, logits, rows, sel, valid, d):
         """Add depth d's logits into each token's running sum (the residual over depths, Eq. 4's
         input and the output) and record that the token ran d + 1 passes."""
-        if d == 0:  # depth 0 ran every token of every row, in order (select)
-            return logits, torch.ones_like(ran)
+        summed = logits.new_zeros(*ran.shape, logits.size(-1)) if summed is None else summed
         b_i, t_i = rows[:, None].expand_as(sel)[valid], sel[valid]
         summed = summed.index_put((b_i, t_i), logits[valid], accumulate=True)
         return summed, ran.index_put((b_i, t_i), torch.full_like(t_i, d + 1))

@@ -87,7 +87,7 @@ IDX = torch.zeros(1, 4, dtype=torch.long)
 @pytest.mark.parametrize("call, words", [
     (lambda: TaHCache(tah_model(1), 1, "nodevice"), "device must be"),
     (lambda: tah_model(3)(IDX, cache=TaHCache(tah_model(1), 1, "cpu")), "made for 1 layer(s), this model has 3"),
-    (lambda: tah_model(3)(IDX, cache=make_caches(moe_model())), "cache must be None or one DepthKV"),
+    (lambda: tah_model(3)(IDX, cache=make_caches(moe_model())), "cache must be None or one TaH cache"),
     (lambda: generate(tah_model(), IDX, 2), "got ThinkAtHard: use TaHCache and generate_tah"),
     (lambda: make_caches(tah_model()), "got ThinkAtHard: use TaHCache and generate_tah"),
     (lambda: generate_tah(moe_model(), IDX, 2), "generate_tah takes a tah.ThinkAtHard, got Transformer"),

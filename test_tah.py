@@ -408,11 +408,11 @@ def test_decoding_fills_the_cache_to_block_size_in_place_then_one_more_token_is_
     with torch.no_grad():
         par = model(idx, mode="oracle", depths=depths)
         model(idx[:, :3], mode="oracle", depths=depths[:, :3], cache=cache)
-        storage = [k.data_ptr() for k, v in cache.kv]
+        storage = [layer.k.data_ptr() for layer in cache.layers]
         for t in range(3, 7):  # every token at every depth: the cache ends exactly full
             out = model(idx[:, t:t + 1], mode="oracle", depths=depths[:, t:t + 1], cache=cache)
         torch.testing.assert_close(out.logits[:, 0], par.logits[:, -1], atol=1e-10, rtol=1e-10)
-        assert [k.data_ptr() for k, v in cache.kv] == storage and cache.len == cache.capacity == 21
+        assert [layer.k.data_ptr() for layer in cache.layers] == storage and cache.len == cache.capacity == 21
         with pytest.raises(ValueError, match="block_size"):
             model(idx[:, :1], mode="standard", cache=cache)
         with pytest.raises(ValueError, match="batch rows"):
