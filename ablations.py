@@ -6,7 +6,9 @@ Built from the same pieces as the headline demonstrations (a Suite each, train_t
   HD's layouts, objectives and shared KV, each continued from the n=1 checkpoint as the paper
   runs them (HD Tables 4-6), and HD n = 1, 2, 4 from scratch (the contrast); TaH's attention
   ablations under oracle routing (TaH Table 2);
-- suites of their own: TaH on addition (the contrast: no TaH premise), the MoE backbone's
+- suites of their own: TaH on lookups whose query token names its hop count (the earlier
+  headline: hardness written on the token, so a token-type router would do as well), TaH on
+  addition (the contrast: no TaH premise), the MoE backbone's
   loss-free balancing and KV-Mirror, HD's progressive protocol 1 -> 2 -> 4 (HD §2.3, §4.3), and
   TaH-3 against TaH-2 on three-hop lookups (TaH App. A.2.1).
 
@@ -23,7 +25,7 @@ from hd import HiddenDecoding, HDConfig, expand_streams
 from moe import ModelConfig, Transformer
 from report import Claim, Effect
 from tasks import Arith, Lookups
-from tah import ThinkAtHard
+from tah import ThinkAtHard, oracle_depths
 from train_tiny import Suite, backbone_cfg, lm_loss, result_rows, train
 from trainer import evaluate
 
@@ -144,7 +146,7 @@ ADDITION = "addition, answer digits; the contrast"
 TAH_ADD_FX = tt.tah_effects(ADDITION)
 ATTENTION = {tag: Effect(f"TaH: duo-causal vs ablations, oracle routing ({task})",
                          "avg: duo-causal 35.9 vs causal (depth-1 keys) 30.5 (TaH Table 2)")
-             for tag, task in (("tah", "in-context lookups, answers"), ("tah-add", ADDITION))}
+             for tag, task in (("tah", tt.LOOKUPS), ("tah-add", ADDITION))}
 TAH_ATTENTION_ABLATIONS = ("first_depth", "depth_local")  # beside duo-causal
 
 
@@ -166,6 +168,16 @@ def attention_claim(tag, task):
                  "duo-causal", "first-depth", "acc", +1)
 
 
+QUERY_LOOKUPS = "in-context lookups, answers"  # the hop count on the query token
+TAH_QUERY_FX = tt.tah_effects(QUERY_LOOKUPS)
+
+
+def tah_query_lookups(P, args, seed, data):
+    """TaH on lookups whose query token names its hop count ("c?2"): the decider can route by the
+    token alone."""
+    return tt.tah_protocol(P, args, seed, data, "tah-query", TAH_QUERY_FX)
+
+
 def tah_addition(P, args, seed, data):
     """The contrast: TaH on addition. An answer digit's extra work is the carry chain over the
     operands, not a refinement at the digit's own position, so iterating only the hard digits
@@ -181,20 +193,38 @@ TAH3 = Effect("TaH-3 vs TaH-2: lookups with one-, two- and three-hop queries (de
               "Qwen3-1.7B avg acc: Standard 47.8; TaH-2 52.8 (5.8% of tokens at 2 passes); TaH-3 53.6 (5.7% at 2, "
               "0.2% at 3) (TaH Table 7)")
 TAH2_ARM, TAH3_ARM = "TaH-2 (max 2 passes)", "TaH-3 (max 3 passes)"
-DEEPER = "passes, three-hop minus two-hop"
+TAH3_ITER_ARM = "TaH-3, iterated labels (max 3 passes)"
+DEEPER, THIRD = "passes, three-hop minus two-hop", "three-hop queries at 3 passes"
+
+
+class IteratedOracle:
+    """Labels for TaH-3 that the decider can learn, an option beside the authors' CE bins: the
+    max_depth-2 rule (Eq. 7, App. A.2.1) applied once more. A token is hard (2 passes) iff the
+    reference's top-1 misses its target; a hard token the TaH-2 model (under these 2-pass
+    labels) still gets wrong after its second pass gets 3."""
+
+    def __init__(self, ref, tah2, task):
+        self.ref, self.tah2, self.task = ref, tah2, task
+
+    @torch.no_grad()
+    def __call__(self, x, y):
+        d = oracle_depths(self.ref(x, mode="standard").logits, y, 2, self.task.response(x))
+        wrong = self.tah2(x, mode="oracle", depths=d).logits.argmax(-1) != y
+        return d + ((d == 2) & wrong).long()
 
 
 def tah3_protocol(P, args, seed, data):
     """TaH-3 against TaH-2 on lookups with three-hop queries (a one-layer model follows one link
     per pass, so a three-hop answer needs three). One base and one Standard fine-tune (the oracle's
-    reference), then from the base on the same batches: TaH-2 (hard tokens 2 passes) and TaH-3
-    (hard tokens binned per sample by the reference's CE into 2 and 3 passes, App. A.2.1), each
-    through stage 1 and stage 2."""
+    reference), then from the base on the same batches, each through stage 1 and stage 2: TaH-2
+    (hard tokens 2 passes), TaH-3 (hard tokens binned per sample by the reference's CE into 2 and
+    3 passes, App. A.2.1, the faithful default) and TaH-3 on iterated labels (IteratedOracle,
+    read off the TaH-2 model)."""
     stages = tt.tah_stages(P, data)
     cfg = tt.tah_config(P, data, P.tah_layers)
     base = tt.tah_base(P, args, seed, data, cfg, "tah3", stages)
     models = {}
-    for arm, depth in ((tt.STANDARD, 1), (TAH2_ARM, 2), (TAH3_ARM, 3)):
+    for arm, depth in ((tt.STANDARD, 1), (TAH2_ARM, 2), (TAH3_ARM, 3), (TAH3_ITER_ARM, 3)):
         models[arm] = ThinkAtHard(replace(cfg, max_depth=max(depth, 2))).to(args.device)
         models[arm].load_state_dict(base.state_dict())
         if depth == 1:
@@ -202,7 +232,9 @@ def tah3_protocol(P, args, seed, data):
                   first_batch=stages[0].iters)
             ref = copy.deepcopy(models[arm]).eval().requires_grad_(False)
         else:
-            tt.train_tah(f"tah3/{arm}", models[arm], tt.Oracle(ref, depth, data), data, stages, args, seed)
+            oracle = (IteratedOracle(ref, copy.deepcopy(models[TAH2_ARM]).eval().requires_grad_(False), data)
+                      if arm == TAH3_ITER_ARM else tt.Oracle(ref, depth, data))
+            tt.train_tah(f"tah3/{arm}", models[arm], oracle, data, stages, args, seed)
     return [r for arm, m in models.items()
             for r in result_rows(TAH3, arm, seed, tah_by_hops(m, data, stages[0], args, arm != tt.STANDARD))], {}
 
@@ -229,6 +261,7 @@ def tah_by_hops(model, data, P, args, decider):
         r[f"passes, {name}-hop"] = passes[kinds == h].float().mean().item()
     if data.max_hops == 3:
         r[DEEPER] = r["passes, three-hop"] - r["passes, two-hop"]
+        r[THIRD] = (passes[kinds == 3] == 3).float().mean().item()
     return {**r, "positions at 2 passes": (depths == 2).float().mean().item(),
             "positions at 3 passes": (depths == 3).float().mean().item()}
 
@@ -237,6 +270,10 @@ TAH3_CLAIMS = [
     Claim("TaH-3 beats TaH-2 on three-hop answers", TAH3, TAH3_ARM, TAH2_ARM, "acc, three-hop", +1),
     Claim("TaH-3 gives three-hop queries more passes than two-hop ones", TAH3, TAH3_ARM, 0, DEEPER, +1),
     Claim("TaH-3 beats TaH-2 on all answers", TAH3, TAH3_ARM, TAH2_ARM, "acc", +1),
+    Claim("TaH-3 on iterated labels runs a third pass on most three-hop queries", TAH3, TAH3_ITER_ARM, 0.5, THIRD, +1),
+    Claim("TaH-3 on iterated labels beats TaH-2 on three-hop answers", TAH3, TAH3_ITER_ARM, TAH2_ARM,
+          "acc, three-hop", +1),
+    Claim("TaH-3 on iterated labels beats TaH-2 on all answers", TAH3, TAH3_ITER_ARM, TAH2_ARM, "acc", +1),
 ]
 
 
@@ -290,6 +327,10 @@ MOE_CLAIMS = [Claim("loss-free bias balances the experts", MOE_BALANCE, MOE_ON, 
 SUITES = [
     replace(tt.HD, extra=hd_ablations, claims=tt.HD.claims + HD_ABLATION_CLAIMS),
     replace(tt.TAH, extra=tah_attention_ablations, claims=tt.TAH.claims + [attention_claim("tah", "TaH, lookups")]),
+    Suite("tah-query", tah_query_lookups, tt.tah_claims(TAH_QUERY_FX, "TaH, lookups, hops on the query")
+          + tt.inside_claims(TAH_QUERY_FX, "TaH, lookups, hops on the query"),
+          task=lambda P: Lookups(P.symbols, P.queries, P.two_hop), batch="tah_batch", plots=[tt.plot_tah_tradeoff],
+          outputs=("tah_tradeoff.png",)),
     Suite("tah-add", tah_addition, tt.tah_claims(TAH_ADD_FX, "TaH, addition") + [attention_claim("tah-add",
           "TaH, addition")], task=lambda P: Arith(P.digits), batch="tah_batch", extra=tah_attention_ablations,
           plots=[tt.plot_tah_tradeoff], outputs=("tah_tradeoff.png",)),

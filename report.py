@@ -31,6 +31,7 @@ class Claim:
     baseline: object
     metric: str
     sign: int
+    margin: float = 0.0  # a non-inferiority claim: the arm may fall short of the baseline by this much
 
 
 RULE = ("shown: over >= 2 seeds, the paired difference has the paper's sign in every seed and its mean "
@@ -82,7 +83,7 @@ def judge(rows, claims):
                              f"in effect {c.effect.name!r}")
         out.append(dict(claim=c.name, metric=c.metric, deltas=d, mean=float(np.mean(d)),
                         std=float(np.std(d, ddof=1)) if len(d) > 1 else 0.0, interval95=interval95(d),
-                        verdict=verdict(d, c.sign)))
+                        verdict=verdict([x + c.sign * c.margin for x in d], c.sign)))
     return out
 
 

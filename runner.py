@@ -202,7 +202,8 @@ def check_preset(P):
 
 
 def check_models(P):
-    for name, task in (("symbols/queries", Lookups(P.symbols, P.queries, P.two_hop)), ("digits", Arith(P.digits))):
+    for name, task in (("symbols/queries", Lookups(P.symbols, P.queries, P.two_hop, per_problem=True)),
+                       ("digits", Arith(P.digits))):
         if task.problem_len > P.block:
             return (f"--block {P.block} holds no whole {type(task).__name__} problem ({task.problem_len} "
                     f"tokens): raise --block or lower --{name}")

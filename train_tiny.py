@@ -20,6 +20,7 @@ the paper's figure beside them) are printed as a markdown table and written to
 import copy
 import shutil
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable, Optional
 
 import numpy as np
@@ -266,7 +267,7 @@ HD = Suite("hd", hd_protocol, HD_CLAIMS + HD_INSIDE_CLAIMS, plots=[plot_hd_strea
 
 
 def tah_effects(task):
-    """The effects of one TaH task: (routing, the threshold sweep, diagnostics)."""
+    """The effects of one TaH task: (routing, the threshold sweep, diagnostics, inside)."""
     return (Effect(f"TaH: routing ({task})",
                    "Qwen3-1.7B, avg acc: Standard 47.8, AlwaysThink 44.7, TaH 52.8 with ~6% of tokens iterated "
                    "(TaH Tables 1, 9); AlwaysThink corrupts more than it corrects (Fig. 1b); decider imitates the "
@@ -274,15 +275,22 @@ def tah_effects(task):
             Effect(f"TaH: decider threshold sweep ({task})",
                    "accuracy is robust across thresholds, ~6% iterated at 0.9 (TaH Fig. 4)"),
             Effect(f"TaH: diagnostics ({task})",
-                   "overthink (false 'continue') costs about twice as much as underthink (TaH Table 10)"))
+                   "overthink (false 'continue') costs about twice as much as underthink (TaH Table 10)"),
+            Effect(f"TaH inside: the tokens the decider sends on, top-1 after the first pass -> after the second "
+                   f"({task}; counts over the evaluation batches)",
+                   "Qwen3-1.7B: the predictions of the tokens that think twice change across iterations (TaH Fig. "
+                   "5); one token type goes on in 17-34% of its occurrences (TaH Table 6)"))
 
 
-TAH_FX = tah_effects("in-context lookups, answers")  # (routing, sweep, diagnostics)
+LOOKUPS = "lookups, hop count per problem, answers"
+TAH_FX = tah_effects(LOOKUPS)  # (routing, sweep, diagnostics, inside)
 STANDARD, ALWAYS = "Standard", "AlwaysThink"
 TAH_ORACLE = "TaH, oracle routing (upper bound)"
 TAH_DECIDER = f"TaH, decider routing (threshold {TaHConfig.threshold})"  # the paper's 0.9
+TAH_ROUTER = "TaH, token-type router (2 passes for every token of a kind that can be hard)"
 # the TaH arms compared with Standard: (arm, which fine-tuned model, routing mode)
-TAH_ARMS = [(ALWAYS, "always", "always"), (TAH_ORACLE, "tah", "oracle"), (TAH_DECIDER, "tah", "decider")]
+TAH_ARMS = [(ALWAYS, "always", "always"), (TAH_ORACLE, "tah", "oracle"), (TAH_DECIDER, "tah", "decider"),
+            (TAH_ROUTER, "router", "router")]
 
 
 def tah_config(P, task, n_layer):
@@ -318,12 +326,13 @@ def tah_base(P, args, seed, data, cfg, tag, stages):
     return base
 
 
-def tah_protocol(P, args, seed, data, tag="tah", fx=TAH_FX, n_layer=None):
+def tah_protocol(P, args, seed, data, tag="tah", fx=TAH_FX, n_layer=None, router=False):
     """The paper's protocol (TaH §4.3, §5) at tiny scale. A base model is pretrained on the
     task; from it, on the same batches for the same steps: Standard (fine-tuned as is: it is
     also the oracle's reference, as the paper uses the SFT model), AlwaysThink (every token 2
     passes), TaH stage 1 (oracle depths from the frozen Standard model), then TaH stage 2 (the
-    decider imitates the oracle, everything else frozen)."""
+    decider imitates the oracle, everything else frozen); and, with `router`, the baseline a
+    skeptic names: stage 1 on a token-type router's depths, which it keeps at evaluation."""
     stages = tah_stages(P, data)
     cfg = tah_config(P, data, n_layer or P.tah_layers)
     base = tah_base(P, args, seed, data, cfg, tag, stages)
@@ -340,11 +349,16 @@ def tah_protocol(P, args, seed, data, tag="tah", fx=TAH_FX, n_layer=None):
     always_loss = lambda m, x, y: m(x, y, mode="always").loss
     train(f"{tag}/AlwaysThink", models["always"], always_loss, data, stages[1], args, seed, **later)
     stage1 = train_tah(f"{tag}/TaH", models["tah"], oracle, data, stages, args, seed)
-    ev = lambda m, mode, thr=None: tah_eval(m, data, stages[0], args, mode, oracle, thr)
+    route = TokenRouter(data)
+    if router:
+        models["router"] = from_base()
+        train(f"{tag}/token-type router", models["router"], lambda m, x, y: m.stage1_loss(x, y, route(x)), data,
+              stages[1], args, seed, **later)
+    ev = lambda m, mode, thr=None: tah_eval(m, data, stages[0], args, mode, oracle, thr, route)
     rows = tah_routing_rows(fx, models, ev, seed)
     if isinstance(data, Lookups):  # what the second pass does (TaH Figs. 5, 7)
-        rows += tah_inside_rows(models["tah"], data, stages[0], args, seed)
-        if seed == args.seeds[0]:
+        rows += tah_inside_rows(models["tah"], data, stages[0], args, seed, fx)
+        if tag == "tah" and seed == args.seeds[0]:
             tah_problem(models["tah"], data, stages[0], args)
     return rows, dict(tag=tag, from_base=from_base, stage1=stage1, models=models, ev=ev, sft=stages[1], later=later)
 
@@ -375,6 +389,18 @@ class Oracle:
         return oracle_depths(self.ref(x, mode="standard").logits, y, self.max_depth, self.task.response(x))
 
 
+class TokenRouter:
+    """A router that reads the token alone: 2 passes for every token of a kind that can need more
+    than one (task.sometimes_hard), 1 for the rest. It trains as TaH's stage 1 does, on its own
+    depths, and keeps them at evaluation; it has no decider to train."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def __call__(self, x):
+        return 1 + self.task.sometimes_hard(x).long()
+
+
 def eval_batches(data, P, args):
     """The held-out batches every TaH evaluation reads (one in the planning probe), on the device."""
     for k in range(1 if probing(args) else P.tah_eval_batches):
@@ -383,16 +409,17 @@ def eval_batches(data, P, args):
 
 
 @torch.no_grad()
-def tah_eval(model, data, P, args, mode, oracle, threshold=None):
-    """Held-out metrics of one routing mode over the answers (the targets): loss, accuracy,
-    whole-problem exact match, tokens iterated and passes per token (all positions), and
-    per-token outcomes (for revision counts against Standard); for the decider, how well it
-    imitates the oracle."""
+def tah_eval(model, data, P, args, mode, oracle, threshold=None, route=None):
+    """Held-out metrics of one routing mode (or "router": the oracle mode on route's depths) over
+    the answers (the targets): loss, accuracy, whole-problem exact match, tokens iterated and
+    passes per token (all positions), and per-token outcomes (for revision counts against
+    Standard); for the decider, how well it imitates the oracle."""
     model.eval()
     losses, ems, iterated, outcomes = [], [], [], {"ok": [], "first_ok": [], "hard": [], "went": []}
     for x, y in eval_batches(data, P, args):
         depths = oracle(x, y)
-        out = model(x, y, mode=mode, depths=depths if mode == "oracle" else None, threshold=threshold)
+        given = {"oracle": depths, "router": route(x) if mode == "router" else None}.get(mode)
+        out = model(x, y, mode="oracle" if given is not None else mode, depths=given, threshold=threshold)
         keep, ok = y != -1, out.logits.argmax(-1) == y
         losses.append(out.loss.item())
         ems.append(answer_exact(ok, y, data.problem_len, data.answers))
@@ -418,10 +445,10 @@ def tah_routing_rows(fx, models, ev, seed):
     """Held-out rows of a TaH suite: Standard, then each of TAH_ARMS with its revisions against
     Standard (and, for the decider, the share of AlwaysThink's gain it gets), the diagnostics,
     and the threshold sweep. ev(model, mode, threshold) -> tah_eval."""
-    routing, sweep_fx, _ = fx
+    routing, sweep_fx = fx[:2]
     r_std, o_std = ev(models["standard"], "standard")
     rows, sweep = result_rows(routing, STANDARD, seed, r_std), {"standard": r_std}
-    for arm, which, mode in TAH_ARMS:
+    for arm, which, mode in [a for a in TAH_ARMS if a[1] in models]:
         r, o = ev(models[which], mode)
         # revisions against Standard's prediction of the same token (TaH Fig. 1b)
         r["corrected vs Standard"] = int((o["ok"] & ~o_std["ok"]).sum())
@@ -475,21 +502,38 @@ def tah_claims(fx, task):
     ]
 
 
+ROUTER_MARGIN = 0.02  # "within the router's accuracy": at most 2 points below it, fixed on the dev split
+
+
+def router_claims(fx, task):
+    """The decider against the token-type router (the hop count per problem: the query token
+    does not say which queries are hard): as accurate, for fewer passes; and it sends the one
+    query token on in some of its occurrences, not all or none (TaH Table 6: 17-34%)."""
+    r, inside = fx[0], fx[3]
+    return [
+        Claim(f"{task}: the decider runs fewer passes per token than the token-type router", r, TAH_DECIDER,
+              TAH_ROUTER, "passes per token", -1),
+        Claim(f"{task}: ... at answer accuracy within {ROUTER_MARGIN * 100:.0f} points of the router's", r, TAH_DECIDER,
+              TAH_ROUTER, "acc", +1, margin=ROUTER_MARGIN),
+        Claim(f"{task}: the decider sends the query token on in more than 10% of its occurrences", inside,
+              QUERIES, 0.1, SENT, +1),
+        Claim(f"{task}: ... and in fewer than 90%: it routes by state, not by token", inside, QUERIES, 0.9, SENT, -1),
+    ]
+
+
 # TaH inside (TaH Figs. 5 and 7): the probes of inside.py on the lookups model just trained
 
-TAH_ITER = Effect("TaH inside: the tokens the decider sends on, top-1 after the first pass -> after the second "
-                  "(in-context lookups; counts over the evaluation batches)",
-                  "Qwen3-1.7B: the predictions of the tokens that think twice change across iterations (TaH Fig. 5)")
 KINDS = {0: "other tokens (target: the next token)", 1: "one-hop queries", 2: "two-hop queries", 3: "three-hop queries"}
-FIXES = "corrected - corrupted"
+QUERIES, FIXES, SENT = "every query token", "corrected - corrupted", "share of the kind sent on"
 
 
 @torch.no_grad()
-def tah_inside_rows(model, data, P, args, seed, threshold=None):
+def tah_inside_rows(model, data, P, args, seed, fx, threshold=None):
     """For the tokens the decider sends on: their top-1 after the first pass and after the last,
-    against the next token, counted by query type (TaH Fig. 5), and the share of each type sent on."""
+    against the next token, counted by query type (TaH Fig. 5), and the share of each type sent on;
+    with one query token per symbol (the hop count per problem), the share of all queries too."""
     model.eval()
-    counts, totals = {}, {}
+    counts, totals, queries = {}, {}, [0, 0]  # queries: sent on, all
     for x, y in eval_batches(data, P, args):
         out = model(x, mode="decider", threshold=threshold)
         nxt = torch.cat([x[:, 1:], y[:, -1:]], 1)  # the next token; the last position's only if it is a target
@@ -499,12 +543,15 @@ def tah_inside_rows(model, data, P, args, seed, threshold=None):
             counts[h] = {o: counts.get(h, {}).get(o, 0) + c[o] for o in OUTCOMES}
         for h in kind[nxt >= 0].unique().tolist():
             totals[h] = totals.get(h, 0) + int(((kind == h) & (nxt >= 0)).sum())
+        queries = [queries[0] + int((out.depths > 1)[kind > 0].sum()), queries[1] + int((kind > 0).sum())]
     model.train()
-    rows = []
+    rows, effect = [], fx[3]
     for h in sorted(totals):  # every kind in the data, sent on or not
         c = counts.get(h, dict.fromkeys(OUTCOMES, 0))
-        rows += result_rows(TAH_ITER, KINDS[h], seed, {**c, FIXES: c[OUTCOMES[0]] - c[OUTCOMES[1]],
-                                                       "share of the kind sent on": sum(c.values()) / totals[h]})
+        rows += result_rows(effect, KINDS[h], seed, {**c, FIXES: c[OUTCOMES[0]] - c[OUTCOMES[1]],
+                                                     SENT: sum(c.values()) / totals[h]})
+    if data.per_problem:  # one token kind for every query: how often the decider sends it on
+        rows += result_rows(effect, QUERIES, seed, {SENT: queries[0] / max(queries[1], 1)})
     return rows
 
 
@@ -525,8 +572,9 @@ def tah_problem(model, data, P, args):
         plot_trace(trace, names, model.cfg.threshold, args.run_dir / "inside" / "tah_problem.png")
 
 
-TAH_INSIDE_CLAIMS = [Claim("TaH inside: among the two-hop answers sent on, the second pass corrects more than it "
-                           "corrupts", TAH_ITER, KINDS[2], 0, FIXES, +1)]
+def inside_claims(fx, task):
+    return [Claim(f"{task}: among the two-hop answers sent on, the second pass corrects more than it corrupts",
+                  fx[3], KINDS[2], 0, FIXES, +1)]
 
 
 def plot_tah_tradeoff(summary, out, eval_set, run_dir):
@@ -540,8 +588,9 @@ def copy_tah_problem(summary, out, eval_set, run_dir):
     return shutil.copyfile(trace, out / trace.name) if trace.exists() else None
 
 
-TAH = Suite("tah", tah_protocol, tah_claims(TAH_FX, "TaH, lookups") + TAH_INSIDE_CLAIMS,
-            task=lambda P: Lookups(P.symbols, P.queries, P.two_hop), batch="tah_batch",
+TAH = Suite("tah", partial(tah_protocol, router=True),
+            tah_claims(TAH_FX, "TaH, lookups") + router_claims(TAH_FX, "TaH, lookups") + inside_claims(TAH_FX, "TaH, lookups"),
+            task=lambda P: Lookups(P.symbols, P.queries, P.two_hop, per_problem=True), batch="tah_batch",
             plots=[plot_tah_tradeoff, copy_tah_problem], outputs=("tah_tradeoff.png", "tah_problem.png"),
             inside={"tah_problem.md": "TaH inside: one held-out lookup problem through the decider (TaH Figs. 5 "
                                       "and 7)"})
