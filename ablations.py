@@ -143,7 +143,7 @@ HD_PROG_CLAIMS = [
 
 
 ADDITION = "addition, answer digits; the contrast"
-TAH_ADD_FX = tt.tah_effects(ADDITION)
+TAH_ADD_FX = tt.tah_effects(ADDITION, inside=False)  # the probes of inside.py read lookups
 ATTENTION = {tag: Effect(f"TaH: duo-causal vs ablations, oracle routing ({task})",
                          "avg: duo-causal 35.9 vs causal (depth-1 keys) 30.5 (TaH Table 2)")
              for tag, task in (("tah", tt.LOOKUPS), ("tah-add", ADDITION))}

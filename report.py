@@ -180,6 +180,8 @@ def table(summary, verdicts, header):
             ci = "[{:+.4g}, {:+.4g}]".format(*v["interval95"]) if v.get("interval95") else ""
             lines.append(f"| {v['claim']} | {v['metric']} | {v['mean']:+.4f} ± {v['std']:.4f} | {ratio} | {ci} | {per} | "
                          f"**{v['verdict']}** |")
+        lines += ["", "These verdicts are this run's cell (its seeds, thread count and machine). RESULTS.md, \"The grid "
+                  "of cells\", reports each headline claim over every cell measured, with a pooled 95% interval."]
     return "\n".join(lines)
 
 

@@ -479,7 +479,7 @@ def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
     assert {s.split("/")[0] for s, _ in stages} == set(runner.SUITES)
     md = (tmp_path / "results.md").read_text()
     effects = all_effects()
-    assert len(effects) == 24  # 8 HD and MoE, TaH inside, TaH-3, 4 for each TaH task, 3 HD inside per n
+    assert len(effects) == 28  # 8 HD and MoE, TaH-3, 4 for each TaH lookups task, 3 for addition, 2 attention, 3 HD inside per n
     for effect in effects:  # every effect reported, with the paper's figure in its caption
         assert f"**{effect.name}** (paper: {effect.paper})" in md, effect
     result = json.loads((tmp_path / "results.json").read_text())
@@ -591,25 +591,27 @@ def test_hd_ablations_continue_the_n1_checkpoint_on_the_headline_batches(tmp_pat
 
 @pytest.mark.parametrize("suite", ["tah", "tah-add"])
 def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response(suite, tmp_path, monkeypatch):
-    trained, labelled, real = {}, [], trainer.train
+    trained, labelled, real, training = {}, [], trainer.train, [None]
 
     def spy(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
+        training[0] = name
         out = real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
         trained[name] = model
         return out
     real_stage1 = tt.ThinkAtHard.stage1_loss
 
     def stage1(self, idx, targets, depths):
-        labelled.append((idx.clone(), targets.clone(), depths.clone()))
+        if training[0] == f"{suite}/TaH stage 1":  # not the token-type router's stage 1
+            labelled.append((idx.clone(), targets.clone(), depths.clone()))
         return real_stage1(self, idx, targets, depths)
     patch_train(monkeypatch, spy)
     monkeypatch.setattr(tt.ThinkAtHard, "stage1_loss", stage1)
     P = tt.PRESETS["smoke"]
-    task = tasks.Lookups(P.symbols, P.queries, P.two_hop) if suite == "tah" else tasks.Arith(P.digits)
+    task = tasks.Lookups(P.symbols, P.queries, P.two_hop, per_problem=True) if suite == "tah" else tasks.Arith(P.digits)
     suite_run(suite, P, suite_args(tmp_path), 0, task, every_arm=False)
     ref = trained[f"{suite}/Standard"].eval()
-    if suite == "tah":  # the response: queries and answers (ids from S*S up to ';')
-        response = lambda b, t: P.symbols ** 2 <= x[b, t].item() < P.symbols ** 2 + 3 * P.symbols
+    if suite == "tah":  # the response: queries and answers (ids after the pairs and the 2 headers, up to ';')
+        response = lambda b, t: P.symbols ** 2 + 2 <= x[b, t].item() < P.symbols ** 2 + 2 + 2 * P.symbols
     else:  # the response: the answer digits and ';', from position 2n+2 of a problem on ('=' is the prompt's)
         response = lambda b, t: t % task.problem_len >= 2 * P.digits + 2
     assert labelled
