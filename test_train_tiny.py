@@ -589,7 +589,7 @@ def test_hd_ablations_continue_the_n1_checkpoint_on_the_headline_batches(tmp_pat
     assert arms[ablations.HD_SCRATCH.name] == {arm for arm, _ in ablations.hd_scratch_arms()}
 
 
-@pytest.mark.parametrize("suite", ["tah", "tah-add"])
+@pytest.mark.parametrize("suite", ["tah", "tah-hidden", "tah-add"])
 def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response(suite, tmp_path, monkeypatch):
     trained, labelled, real, training = {}, [], trainer.train, [None]
 
@@ -607,11 +607,14 @@ def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response
     patch_train(monkeypatch, spy)
     monkeypatch.setattr(tt.ThinkAtHard, "stage1_loss", stage1)
     P = tt.PRESETS["smoke"]
-    task = tasks.Lookups(P.symbols, P.queries, P.two_hop, per_problem=True) if suite == "tah" else tasks.Arith(P.digits)
+    task = {"tah": tasks.Lookups(P.symbols, P.queries, P.two_hop), "tah-add": tasks.Arith(P.digits),
+            "tah-hidden": tasks.Lookups(P.symbols, P.queries, P.two_hop, per_problem=True)}[suite]
     suite_run(suite, P, suite_args(tmp_path), 0, task, every_arm=False)
     ref = trained[f"{suite}/Standard"].eval()
-    if suite == "tah":  # the response: queries and answers (ids after the pairs and the 2 headers, up to ';')
-        response = lambda b, t: P.symbols ** 2 + 2 <= x[b, t].item() < P.symbols ** 2 + 2 + 2 * P.symbols
+    if suite != "tah-add":  # the response: queries and answers, the ids after the pairs (and 2 headers) up to ';'
+        first = P.symbols ** 2 + 2 * (suite == "tah-hidden")  # then S queries (2S on the query) and S answers
+        last = first + (2 if suite == "tah-hidden" else 3) * P.symbols
+        response = lambda b, t: first <= x[b, t].item() < last
     else:  # the response: the answer digits and ';', from position 2n+2 of a problem on ('=' is the prompt's)
         response = lambda b, t: t % task.problem_len >= 2 * P.digits + 2
     assert labelled

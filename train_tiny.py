@@ -20,7 +20,6 @@ the paper's figure beside them) are printed as a markdown table and written to
 import copy
 import shutil
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Callable, Optional
 
 import numpy as np
@@ -282,8 +281,7 @@ def tah_effects(task, inside=True):
                         "Fig. 5); one token type goes on in 17-34% of its occurrences (TaH Table 6)"),) * inside
 
 
-LOOKUPS = "lookups, hop count per problem, answers"
-TAH_FX = tah_effects(LOOKUPS)  # (routing, sweep, diagnostics, inside)
+TAH_FX = tah_effects("in-context lookups, answers")  # (routing, sweep, diagnostics, inside)
 STANDARD, ALWAYS = "Standard", "AlwaysThink"
 TAH_ORACLE = "TaH, oracle routing (upper bound)"
 TAH_DECIDER = f"TaH, decider routing (threshold {TaHConfig.threshold})"  # the paper's 0.9
@@ -502,27 +500,6 @@ def tah_claims(fx, task):
     ]
 
 
-# "within the router's accuracy": at most 3 points below it. Fixed on the dev split (3 seeds), where
-# the decider trailed the router by 0.9 and 2.3 points in the seeds whose router learned the hop.
-ROUTER_MARGIN = 0.03
-
-
-def router_claims(fx, task):
-    """The decider against the token-type router (the hop count per problem: the query token
-    does not say which queries are hard): as accurate, for fewer passes; and it sends the one
-    query token on in some of its occurrences, not all or none (TaH Table 6: 17-34%)."""
-    r, inside = fx[0], fx[3]
-    return [
-        Claim(f"{task}: the decider runs fewer passes per token than the token-type router", r, TAH_DECIDER,
-              TAH_ROUTER, "passes per token", -1),
-        Claim(f"{task}: ... at answer accuracy within {ROUTER_MARGIN * 100:.0f} points of the router's", r, TAH_DECIDER,
-              TAH_ROUTER, "acc", +1, margin=ROUTER_MARGIN),
-        Claim(f"{task}: the decider sends the query token on in more than 10% of its occurrences", inside,
-              QUERIES, 0.1, SENT, +1),
-        Claim(f"{task}: ... and in fewer than 90%: it routes by state, not by token", inside, QUERIES, 0.9, SENT, -1),
-    ]
-
-
 # TaH inside (TaH Figs. 5 and 7): the probes of inside.py on the lookups model just trained
 
 KINDS = {0: "other tokens (target: the next token)", 1: "one-hop queries", 2: "two-hop queries", 3: "three-hop queries"}
@@ -590,9 +567,8 @@ def copy_tah_problem(summary, out, eval_set, run_dir):
     return shutil.copyfile(trace, out / trace.name) if trace.exists() else None
 
 
-TAH = Suite("tah", partial(tah_protocol, router=True),
-            tah_claims(TAH_FX, "TaH, lookups") + router_claims(TAH_FX, "TaH, lookups") + inside_claims(TAH_FX, "TaH, lookups"),
-            task=lambda P: Lookups(P.symbols, P.queries, P.two_hop, per_problem=True), batch="tah_batch",
+TAH = Suite("tah", tah_protocol, tah_claims(TAH_FX, "TaH, lookups") + inside_claims(TAH_FX, "TaH, lookups"),
+            task=lambda P: Lookups(P.symbols, P.queries, P.two_hop), batch="tah_batch",
             plots=[plot_tah_tradeoff, copy_tah_problem], outputs=("tah_tradeoff.png", "tah_problem.png"),
             inside={"tah_problem.md": "TaH inside: one held-out lookup problem through the decider (TaH Figs. 5 "
                                       "and 7)"})
