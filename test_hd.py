@@ -357,7 +357,7 @@ def test_the_window_cache_returns_the_window_of_a_full_cache(window, chunks, see
 
 
 @FAST
-@given(model=hd_models(block_size=40, window=2), T=st.integers(1, 30), steps=st.lists(st.integers(1, 4), max_size=3))
+@given(model=hd_models(block_size=42, window=2), T=st.integers(1, 30), steps=st.lists(st.integers(1, 4), max_size=3))
 def test_cached_decoding_with_prompts_many_windows_long_equals_the_full_forward(model, T, steps):
     """A window of 2 rows against prompts of up to 30 tokens (up to 120 rows): the L layers'
     rings wrap many times, in the prompt and in every chunk after it."""
