@@ -347,7 +347,7 @@ def tah_protocol(P, args, seed, data, tag="tah", fx=TAH_FX, n_layer=None, router
     always_loss = lambda m, x, y: m(x, y, mode="always").loss
     train(f"{tag}/AlwaysThink", models["always"], always_loss, data, stages[1], args, seed, **later)
     stage1 = train_tah(f"{tag}/TaH", models["tah"], oracle, data, stages, args, seed)
-    route = TokenRouter(data)
+    route = TokenRouter(data) if router else None
     if router:
         models["router"] = from_base()
         train(f"{tag}/token-type router", models["router"], lambda m, x, y: m.stage1_loss(x, y, route(x)), data,
@@ -416,7 +416,7 @@ def tah_eval(model, data, P, args, mode, oracle, threshold=None, route=None):
     losses, ems, iterated, outcomes = [], [], [], {"ok": [], "first_ok": [], "hard": [], "went": []}
     for x, y in eval_batches(data, P, args):
         depths = oracle(x, y)
-        given = {"oracle": depths, "router": route(x) if mode == "router" else None}.get(mode)
+        given = depths if mode == "oracle" else route(x) if mode == "router" else None  # depths to follow
         out = model(x, y, mode="oracle" if given is not None else mode, depths=given, threshold=threshold)
         keep, ok = y != -1, out.logits.argmax(-1) == y
         losses.append(out.loss.item())
