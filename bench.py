@@ -394,11 +394,11 @@ def decode_vs_prompt(block, batches, device, repeats, steps, n=4, width=64):
         cfg = hd_cfg(streams, layout, block, mirror_skip=False, n_embd=width, head_dim=width // 4, expert_hidden=width)
         models[name] = kind(cfg).to(device).eval()
     w, rows = models["SFA"].cfg.window, []
-    for B in batches:  # every (arm, prompt) of a batch in one round-robin: drift hits them alike
-        res = timeit({(a, P): hd_decode(m, B, P, steps, device) for a, m in models.items() for P in prompts},
-                     repeats, device, warmup=1)
-        for P in prompts:
-            t, work = {a: res[(a, P)] for a in arms}, {a: qk_pairs(s, lay, P, w) for a, (_, s, lay) in arms.items()}
+    for B in batches:
+        for P in prompts:  # the arms of one row in one round-robin: drift hits them alike, and no longer
+            # prompt's caches (timed in between) evict a short one's from the CPU caches
+            t = timeit({a: hd_decode(m, B, P, steps, device) for a, m in models.items()}, repeats, device, warmup=1)
+            work = {a: qk_pairs(s, lay, P, w) for a, (_, s, lay) in arms.items()}
             rows.append([B, P, f"{B * steps / t['n=1']:.0f}", f"{t['n=1'] / t['SFA']:.0%}",
                          f"{t['n=1'] / t['SFA, whole cache']:.0%}", f"{t['SFA, whole cache'] / t['SFA']:.2f}x",
                          f"{t['n=1'] / t['all-full']:.0%}", f"{work['SFA'] / work['n=1']:.1f}x",
