@@ -438,6 +438,28 @@ def decode_profile(prompts, batches, device, steps, n=4, width=64):
          ["batch", "model", "prompt (tokens)", "ms per step (profiled)", "attention kernels' share", "ops per step"])
 
 
+def gqa_decode(keys, device, repeats, B=16, H=12, Hkv=2, hd=16):
+    """moe.attend's folded GQA: with few queries (a decode step), the G = H / Hkv query heads
+    of a K/V head run as G * Tq query rows of that one head, against SDPA's enable_gqa, which
+    reads every K/V row once per query head. The mask is a cached F layer's (each query sees
+    every earlier row). attend folds while G * Tq <= 32."""
+    rows, G = [], H // Hkv
+    for Tk in keys:
+        for Tq in (1, 4, 8, 16):
+            q = torch.randn(B, H, Tq, hd, device=device)
+            k, v = (torch.randn(B, Hkv, Tk, hd, device=device) for _ in range(2))
+            m = torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(Tk - Tq)
+            t = timeit({"gqa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),
+                        "fold": lambda: F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Tq, hd), k, v,
+                                                                       attn_mask=m.repeat(G, 1))}, repeats, device)
+            rows.append([Tk, Tq, G * Tq, f"{t['gqa'] * 1e6:.0f}", f"{t['fold'] * 1e6:.0f}",
+                         f"{t['gqa'] / t['fold']:.2f}x", "fold" if G * Tq <= 32 else "enable_gqa"])
+    show(f"4e. Attention of a decode step: query heads folded per K/V head vs SDPA's enable_gqa (batch {B}, "
+         f"{H} query heads on {Hkv} K/V heads, head dim {hd})", rows,
+         ["keys", "queries per head", "folded query rows", "enable_gqa (us)", "folded (us)", "fold's speed-up",
+          "moe.attend takes"])
+
+
 def cuda_section(L, repeats):
     B, H, D = 4, 8, 64
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -490,6 +512,7 @@ def main(argv=None):
                device, rep, steps=2 if q else 8)
     decode_vs_prompt(72 if q else 4096 + 8, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
     decode_profile((8, 32) if q else (64, 1016), (1,) if q else (1, 16), device, steps=2 if q else 8)
+    gqa_decode((64,) if q else (512, 4096), device, rep)
     tah_costs(16 if q else 64, device, rep, widths=(32,) if q else (64, 256))
     tah_profile(16 if q else 64, device, rep, width=32 if q else 256)
     if device == "cuda":
