@@ -411,6 +411,29 @@ def decode_vs_prompt(block, batches, device, repeats, steps, n=4, width=64):
                 f"predicted attention work, n={n} SFA / n=1", "all-full / n=1"])
 
 
+def window_layer(block, batches, device, repeats, steps, n=4, width=64):
+    """The ring against a whole cache where it acts alone: a one-layer HD model whose layer is
+    L (M^local), decoding after prompts up to the block size. On the ring a step reads the
+    window - 1 rows before the new token and its n rows, whatever the prompt; on a whole cache
+    it reads all n * (S + 1) rows under the window mask, so its cost grows with the prompt."""
+    prompts = [p for p in (64, 128, 256, 512, 1024, 2048, 4096) if p < block - steps] + [block - steps]
+    models = {}
+    for name, kind in (("ring", HiddenDecoding), ("whole", WholeCache)):
+        torch.manual_seed(0)
+        cfg = hd_cfg(n, "L", block, n_layer=1, kv_mirror=False, n_embd=width, head_dim=width // 4, expert_hidden=width)
+        models[name] = kind(cfg).to(device).eval()
+    w, rows = models["ring"].cfg.window, []
+    for B in batches:
+        for P in prompts:
+            t = timeit({a: hd_decode(m, B, P, steps, device) for a, m in models.items()}, repeats, device, warmup=1)
+            rows.append([B, P, w - 1 + n, f"{n * (P + 1):,}", f"{t['ring'] * 1e3 / steps:.3f}",
+                         f"{t['whole'] * 1e3 / steps:.3f}", f"{t['whole'] / t['ring']:.2f}x"])
+    show(f"4f. The L layer alone: a one-layer HD n={n} model (layout L, window {w} rows) decoding {steps} tokens, "
+         "its cache a ring (generate.WindowCache) or whole (the ring's gain grows with the prompt)", rows,
+         ["batch", "prompt (tokens)", "rows read per step, ring", "rows read, whole cache", "ms per step, ring",
+          "ms per step, whole cache", "ring's gain"])
+
+
 def decode_profile(prompts, batches, device, steps, n=4, width=64):
     """Where a decode step's time goes (torch.profiler, self time on the host): the attention
     kernels' share and the ops issued per step, n = 1 and n = 4 (SFA, no skip). A step's op
@@ -511,6 +534,7 @@ def main(argv=None):
     hd_serving({"short": 8, "long": 32} if q else {"short": 64, "long": 512}, (1, 4) if q else (1, 4, 16, 64),
                device, rep, steps=2 if q else 8)
     decode_vs_prompt(72 if q else 4096 + 8, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
+    window_layer(72 if q else 4096 + 8, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
     decode_profile((8, 32) if q else (64, 1016), (1,) if q else (1, 16), device, steps=2 if q else 8)
     gqa_decode((64,) if q else (512, 4096), device, rep)
     tah_costs(16 if q else 64, device, rep, widths=(32,) if q else (64, 256))
