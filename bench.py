@@ -14,6 +14,8 @@ n = 4 vs n = 1 over batch x prompt length (HD Figure 5), the KV cache per layout
 tokens/s against prompt length up to the block size, and where a decode step's time goes; (5)
 TaH decode and training cost for Standard, TaH (~6% of tokens iterated) and AlwaysThink at two
 widths, and where TaH's extra cost goes; (6) on CUDA, flex_attention vs SDPA and the compiled model vs eager.
+
+    python bench.py --compile # only a compiled decode step vs eager (4g; minutes of compiling)
 """
 
 import argparse
@@ -483,6 +485,51 @@ def gqa_decode(keys, device, repeats, B=16, H=12, Hkv=2, hd=16):
           "moe.attend takes"])
 
 
+def compiled_decode(cells, device, repeats, steps=32, width=64):
+    """gpt-fast's compiled decode step: torch.compile of the HD forward that decodes one token
+    over the caches written in place, against eager, from the same prompt and caches (greedy).
+    Reports the compile time (the first compiled decode, with its recompiles, less an eager
+    one), steady tokens/s of both and whether their tokens agree. generate.py does not keep a
+    compiled step: on the CPU it does not pay (RESULTS.md). Where it stops: the MoE dispatch
+    splits rows by a data-dependent count (moe.MoE.experts), a graph break per layer."""
+    rows = []
+    for n, B, P in cells:
+        torch.manual_seed(0)
+        model = HiddenDecoding(hd_cfg(n, "IIFLII", P + steps + 1, mirror_skip=False, n_embd=width,
+                                      head_dim=width // 4, expert_hidden=width)).to(device).eval()
+        compiled = torch.compile(model)
+        idx = torch.randint(512, (B, P), device=device)
+
+        @torch.no_grad()
+        def decode(step):
+            caches = make_caches(model)
+            x = model(idx, caches=caches)[0][:, -1:].argmax(-1)  # the prompt, eager in both arms
+            out = [x]
+            sync(device)
+            t = time.perf_counter()
+            for _ in range(steps):
+                x = step(x, caches=caches)[0][:, -1:].argmax(-1)
+                out.append(x)
+            sync(device)
+            return torch.cat(out, 1), time.perf_counter() - t
+
+        t = time.perf_counter()
+        decode(compiled)
+        first = time.perf_counter() - t
+        runs = {"eager": [], "compiled": []}
+        for _ in range(repeats):  # round-robin, as timeit
+            for name, step in (("eager", model), ("compiled", compiled)):
+                runs[name].append(decode(step))
+        eager, comp = (statistics.median(s for _, s in runs[k]) for k in ("eager", "compiled"))
+        same = all(torch.equal(a, b) for (a, _), (b, _) in zip(runs["eager"], runs["compiled"]))
+        rows.append([n, B, P, f"{first - eager:.0f}", f"{B * steps / eager:.0f}", f"{B * steps / comp:.0f}",
+                     f"{eager / comp:.2f}x", "yes" if same else "no"])
+    show(f"4g. A compiled decode step (torch.compile, default mode) vs eager, HD layout IIFLII, width {width}, "
+         f"{steps} tokens after the prompt", rows,
+         ["n", "batch", "prompt (tokens)", "compile time (s)", "eager tokens/s", "compiled tokens/s",
+          "compiled's speed-up", "same tokens"])
+
+
 def cuda_section(L, repeats):
     B, H, D = 4, 8, 64
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -511,6 +558,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="cost of each mechanism, as measured ratios")
     ap.add_argument("--quick", action="store_true", help="small sizes, seconds (CI)")
     ap.add_argument("--repeats", type=int, help="timed repeats per arm (median)")
+    ap.add_argument("--compile", action="store_true",
+                    help="only section 4g, a compiled decode step vs eager (minutes: one compile per row)")
     ap.add_argument("--cuda", action="store_true",
                     help="only the sections a GPU answers: HD serving on CUDA and the CUDA section (gpu_check.sh)")
     args = ap.parse_args(argv)
@@ -523,6 +572,10 @@ def main(argv=None):
     dev = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"# bench.py{' --quick' if args.quick else ''} on {dev}, torch {torch.__version__}, median of {rep}")
     q = args.quick
+    if args.compile:
+        compiled_decode([(1, 1, 64), (4, 1, 64), (1, 16, 512), (4, 16, 512)] if not q else [(4, 1, 8)], device,
+                        rep, steps=4 if q else 32)
+        return
     if args.cuda:
         hd_serving({"short": 64, "long": 2048}, (1, 4, 16, 64), device, rep, steps=16, width=512)
         decode_vs_prompt(4096 + 16, (1, 16), device, rep, steps=16, width=512)
