@@ -11,7 +11,8 @@ Sections: (1) attention alone per mask type vs n; (2) an HD training step vs n, 
 stream-factorized layout and for all-full; (3) the KV-mirror final-stream skip at two widths,
 with the ceiling its measured share of time allows; (4) HD serving: cached decode throughput of
 n = 4 vs n = 1 over batch x prompt length (HD Figure 5), the KV cache per layout, and decode
-tokens/s against prompt length up to the block size, and where a decode step's time goes; (5)
+tokens/s against prompt length up to the block size, where a decode step's time goes, GQA
+folded for a decode step's few queries, and the sliding-window layer's ring alone; (5)
 TaH decode and training cost for Standard, TaH (~6% of tokens iterated) and AlwaysThink at two
 widths, and where TaH's extra cost goes; (6) on CUDA, flex_attention vs SDPA and the compiled model vs eager.
 
@@ -587,9 +588,9 @@ def main(argv=None):
     hd_serving({"short": 8, "long": 32} if q else {"short": 64, "long": 512}, (1, 4) if q else (1, 4, 16, 64),
                device, rep, steps=2 if q else 8)
     decode_vs_prompt(72 if q else 4096 + 8, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
-    window_layer(72 if q else 4096 + 8, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
     decode_profile((8, 32) if q else (64, 1016), (1,) if q else (1, 16), device, steps=2 if q else 8)
     gqa_decode((64,) if q else (512, 4096), device, rep)
+    window_layer(72 if q else 4096 + 8, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
     tah_costs(16 if q else 64, device, rep, widths=(32,) if q else (64, 256))
     tah_profile(16 if q else 64, device, rep, width=32 if q else 256)
     if device == "cuda":
