@@ -408,7 +408,7 @@ def decode_vs_prompt(block, batches, device, repeats, steps, n=4, width=64):
                          f"{work['all-full'] / work['n=1']:.1f}x"])
     show(f"4c. HD decode tokens/s against prompt length, 6-layer MoE width {width}, block size {block}, {steps} tokens "
          f"decoded after the prompt (targets: n={n} SFA >= 83% of n=1 at batch 1 with a 64-token prompt, >= 44% at "
-         f"batch 16 with a 512-token one; the ring's gain over a whole cache grows with the prompt)",
+         f"batch 16 with a 512-token one; the ring's gain alone, as the prompt grows: 4f)",
          rows, ["batch", "prompt (tokens)", "n=1 tokens/s", f"n={n} SFA (ring) as % of n=1",
                 f"n={n} SFA, whole cache", "ring's gain over the whole cache", f"n={n} all-full",
                 f"predicted attention work, n={n} SFA / n=1", "all-full / n=1"])
