@@ -590,7 +590,7 @@ def main(argv=None):
     decode_vs_prompt(72 if q else 4096 + 8, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
     decode_profile((8, 32) if q else (64, 1016), (1,) if q else (1, 16), device, steps=2 if q else 8)
     gqa_decode((64,) if q else (512, 4096), device, rep)
-    window_layer(72 if q else 4096 + 8, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
+    window_layer(72 if q else 4096 + 32, (1,) if q else (1, 16), device, rep, steps=2 if q else 32)
     tah_costs(16 if q else 64, device, rep, widths=(32,) if q else (64, 256))
     tah_profile(16 if q else 64, device, rep, width=32 if q else 256)
     if device == "cuda":
