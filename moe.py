@@ -211,7 +211,9 @@ def attend(q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     B, H, Tq, hd = q.shape
     G = H // k.size(1)  # query heads per K/V head
-    if gqa and Tq * G <= 32 and (mask is None or mask.dim() < 3 or mask.size(-3) == 1):
+    per_query = mask is None or (mask.dim() >= 2 and mask.size(-2) == Tq
+                                 and (mask.dim() == 2 or mask.size(-3) == 1))
+    if gqa and Tq * G <= 32 and per_query:  # a mask with a row per query, shared by the heads
         # A decode step's few queries: the G query heads of one K/V head become G * Tq query
         # rows of that head (the mask repeated per head), so each K/V row is read once for
         # its group, not once per query head. Exact; 32 rows fit one query tile of the CPU

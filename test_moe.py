@@ -136,18 +136,19 @@ def test_attend_paths_equal_masked_softmax(T, heads, seed):
 
 @FAST
 @given(Tq=st.integers(1, 6), extra=st.integers(0, 40), heads=st.sampled_from([(6, 2), (12, 2), (4, 1), (4, 4)]),
-       shape=st.sampled_from(["none", "2-d", "per batch row"]), seed=st.integers(0, 999))
+       shape=st.sampled_from(["none", "2-d", "per batch row", "one row for all queries"]), seed=st.integers(0, 999))
 def test_attend_with_few_queries_folds_the_query_heads_of_each_kv_head_exactly(Tq, extra, heads, shape, seed):
     """A decode step's queries (Tq * group <= 32 rows take the folded path, more take SDPA's
-    enable_gqa) against masked softmax by hand, for no mask, a (Tq, Tk) mask and a (B, 1, Tq, Tk)
-    one, random, with rows that see no key (they give 0)."""
+    enable_gqa) against masked softmax by hand, for no mask, a (Tq, Tk) mask, a (B, 1, Tq, Tk)
+    one and a (1, Tk) one broadcast over the queries, random, with rows that see no key (0)."""
     g = torch.Generator().manual_seed(seed)
     Tk = Tq + extra
     q = torch.randn(3, heads[0], Tq, 8, generator=g)
     k, v = (torch.randn(3, heads[1], Tk, 8, generator=g) for _ in range(2))
     mask = {"none": None, "2-d": torch.rand(Tq, Tk, generator=g) < 0.7,
-            "per batch row": torch.rand(3, 1, Tq, Tk, generator=g) < 0.7}[shape]
-    allowed = torch.ones(Tq, Tk, dtype=torch.bool) if mask is None else mask
+            "per batch row": torch.rand(3, 1, Tq, Tk, generator=g) < 0.7,
+            "one row for all queries": torch.rand(1, Tk, generator=g) < 0.7}[shape]  # broadcast: not folded
+    allowed = torch.ones(Tq, Tk, dtype=torch.bool) if mask is None else mask.expand(*mask.shape[:-2], Tq, Tk)
     torch.testing.assert_close(attend(q, k, v, mask), softmax_attention_reference(q, k, v, allowed), atol=1e-5, rtol=1e-5)
 
 
