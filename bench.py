@@ -32,7 +32,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from generate import TaHCache, lora_merged, make_caches
 from hd import HDConfig, HiddenDecoding, fold, full, intra, local, unfold
-from moe import attend, dense_mask
+from moe import attend, attend_folded, dense_mask
 from tah import LoRALinear, TaHConfig, ThinkAtHard
 
 
@@ -373,6 +373,11 @@ def qk_pairs(n, layout, S, window):
     return sum(n * {"F": n * S, "I": S, "L": min(window, n * S)}[c] for c in layout)
 
 
+def prompts_to(block, steps):
+    """Prompt lengths doubling from 64, the last one leaving room for exactly `steps` tokens."""
+    return [p for p in (64, 128, 256, 512, 1024, 2048, 4096) if p < block - steps] + [block - steps]
+
+
 class WholeCache(HiddenDecoding):
     """The contrast to the ring: every layer's cache keeps and reads every row; an L layer's
     mask hides the rows beyond its window (decoding before generate.WindowCache)."""
@@ -388,7 +393,7 @@ def decode_vs_prompt(block, batches, device, repeats, steps, n=4, width=64):
     written in place a step's cost grows only with the attention it does: I layers read S rows,
     the F layer n*S, the L layer its window on the ring but n*S on a whole cache. Beside each row,
     the attention work it predicts (qk_pairs, relative to n = 1)."""
-    prompts = [p for p in (64, 128, 256, 512, 1024, 2048, 4096) if p < block - steps] + [block - steps]
+    prompts = prompts_to(block, steps)
     arms = {"n=1": (HiddenDecoding, 1, "IIFLII"), "SFA": (HiddenDecoding, n, "IIFLII"),
             "SFA, whole cache": (WholeCache, n, "IIFLII"), "all-full": (HiddenDecoding, n, "FFFFFF")}
     models = {}
@@ -419,7 +424,7 @@ def window_layer(block, batches, device, repeats, steps, n=4, width=64):
     L (M^local), decoding after prompts up to the block size. On the ring a step reads the
     window - 1 rows before the new token and its n rows, whatever the prompt; on a whole cache
     it reads all n * (S + 1) rows under the window mask, so its cost grows with the prompt."""
-    prompts = [p for p in (64, 128, 256, 512, 1024, 2048, 4096) if p < block - steps] + [block - steps]
+    prompts = prompts_to(block, steps)
     models = {}
     for name, kind in (("ring", HiddenDecoding), ("whole", WholeCache)):
         torch.manual_seed(0)
@@ -476,8 +481,7 @@ def gqa_decode(keys, device, repeats, B=16, H=12, Hkv=2, hd=16):
             k, v = (torch.randn(B, Hkv, Tk, hd, device=device) for _ in range(2))
             m = torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(Tk - Tq)
             t = timeit({"gqa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),
-                        "fold": lambda: F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Tq, hd), k, v,
-                                                                       attn_mask=m.repeat(G, 1))}, repeats, device)
+                        "fold": lambda: attend_folded(q, k, v, m)}, repeats, device)
             rows.append([Tk, Tq, G * Tq, f"{t['gqa'] * 1e6:.0f}", f"{t['fold'] * 1e6:.0f}",
                          f"{t['gqa'] / t['fold']:.2f}x", "fold" if G * Tq <= 32 else "enable_gqa"])
     show(f"4e. Attention of a decode step: query heads folded per K/V head vs SDPA's enable_gqa (batch {B}, "

@@ -209,19 +209,24 @@ def attend(q, k, v, mask):
         if mask != "causal" or q.size(2) != k.size(2):
             raise ValueError(f"mask 'causal' needs Tq == Tk, got {mask!r} with {q.size(2)} vs {k.size(2)}")
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    B, H, Tq, hd = q.shape
-    G = H // k.size(1)  # query heads per K/V head
+    Tq, G = q.size(2), q.size(1) // k.size(1)  # G: query heads per K/V head
     per_query = mask is None or (mask.dim() >= 2 and mask.size(-2) == Tq
                                  and (mask.dim() == 2 or mask.size(-3) == 1))
-    if gqa and Tq * G <= 32 and per_query:  # a mask with a row per query, shared by the heads
-        # A decode step's few queries: the G query heads of one K/V head become G * Tq query
-        # rows of that head (the mask repeated per head), so each K/V row is read once for
-        # its group, not once per query head. Exact; 32 rows fit one query tile of the CPU
-        # kernel, beyond which it stops paying (bench.py 4e).
-        mask = None if mask is None else mask.repeat(*(1,) * (mask.dim() - 2), G, 1)
-        y = F.scaled_dot_product_attention(q.reshape(B, H // G, G * Tq, hd), k, v, attn_mask=mask)
-        return y.view(B, H, Tq, hd)
+    if gqa and Tq * G <= 32 and per_query:  # a decode step's few queries; 32 rows: bench.py 4e
+        return attend_folded(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def attend_folded(q, k, v, mask):
+    """GQA with the G query heads of each K/V head run as G * Tq query rows of that one head
+    (the mask, one row per query and shared by the heads, repeated per head): each K/V row is
+    read once for its group, where SDPA's enable_gqa reads it once per query head on the CPU.
+    Exact. It pays while the rows fit one query tile of the CPU kernel (32)."""
+    B, H, Tq, hd = q.shape
+    G = H // k.size(1)
+    mask = None if mask is None else mask.repeat(*(1,) * (mask.dim() - 2), G, 1)
+    y = F.scaled_dot_product_attention(q.reshape(B, H // G, G * Tq, hd), k, v, attn_mask=mask)
+    return y.view(B, H, Tq, hd)
 
 
 # -----------------------------------------------------------------------------
