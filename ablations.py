@@ -20,14 +20,15 @@ from dataclasses import replace
 
 import torch
 
-import train_tiny as tt
+import headline as hl
 from hd import HiddenDecoding, HDConfig, expand_streams
+from headline import backbone_cfg, lm_loss, result_rows
 from moe import ModelConfig, Transformer
 from report import Claim, Effect
+from runner import Suite
 from tasks import Arith, Lookups
 from tah import ThinkAtHard, oracle_depths
-from train_tiny import Suite, backbone_cfg, lm_loss, result_rows, train
-from trainer import evaluate
+from trainer import evaluate, train
 
 
 # -----------------------------------------------------------------------------
@@ -50,7 +51,7 @@ PER_STREAM_KV, SHARED_KV = "per-stream KV", "shared KV"
 
 def hd_scratch_arms():
     """The contrast, n = 1, 2, 4 trained from scratch for P.iters steps, as (arm, n)."""
-    return [(f"n={n} from scratch", n) for n in tt.HD_CONT_NS]
+    return [(f"n={n} from scratch", n) for n in hl.HD_CONT_NS]
 
 
 def hd_continued_ablation_arms(P):
@@ -67,24 +68,24 @@ def hd_continued_ablation_arms(P):
             + [(HD_KV_CONT, PER_STREAM_KV, 2), (HD_KV_CONT, SHARED_KV, dict(shared_kv=True))])
 
 
-def hd_ablations(P, args, seed, data, trained):
+def hd_ablations(P, run, seed, data, trained):
     """The HD suite's extra arms: each continued ablation from the headline's n=1 checkpoint on
     the headline's batches, then the from-scratch contrast."""
     rows = []
     for effect, arm, how in hd_continued_ablation_arms(P):
         if not isinstance(how, dict):  # a headline arm, already trained
-            rows += result_rows(effect, arm, seed, trained["headline"][how])
+            rows += result_rows(effect, arm, seed, trained.headline[how])
             continue
-        model = expand_streams(trained["base"], 2, **how).to(args.device)
-        train(f"hd/n=2 continued, {arm}", model, lm_loss, data, tt.continuation(P), args, seed,
+        model = expand_streams(trained.base, 2, **how).to(run.device)
+        train(f"hd/n=2 continued, {arm}", model, lm_loss, data, hl.continuation(P), run, seed,
               first_batch=P.hd_base_iters)
-        rows += result_rows(effect, arm, seed, evaluate(model, data, P, args))
+        rows += result_rows(effect, arm, seed, evaluate(model, data, P, run))
     for arm, n in hd_scratch_arms():
         torch.manual_seed(seed)
         cfg = HDConfig(**backbone_cfg(P, data.vocab_size, layout=P.layout, window=P.window, n_streams=n))
-        model = HiddenDecoding(cfg).to(args.device)
-        train(f"hd/{arm}", model, lm_loss, data, P, args, seed)
-        rows += result_rows(HD_SCRATCH, arm, seed, evaluate(model, data, P, args))
+        model = HiddenDecoding(cfg).to(run.device)
+        train(f"hd/{arm}", model, lm_loss, data, P, run, seed)
+        rows += result_rows(HD_SCRATCH, arm, seed, evaluate(model, data, P, run))
     return rows
 
 
@@ -113,20 +114,20 @@ def prog_arm(n, stage):
     return f"n={n} after stage {stage}"
 
 
-def hd_progressive(P, args, seed, data):
+def hd_progressive(P, run, seed, data):
     """HD as the paper scales it: the n=1 backbone, then stage 1 (n=2 expanded from it) and
     stage 2 (n=4 expanded from stage 1's n=2), P.hd_cont_iters steps each on the next batches.
     On the same batches for the same steps: n=1 through both stages (the control), and n=2
     through stage 2 (so that n=4 meets n=2 at equal steps)."""
-    base = tt.hd_backbone(P, args, seed, data, "hd-progressive")
-    rows, models = [], {n: expand_streams(base, n).to(args.device) for n in (1, 2)}
+    base = hl.hd_backbone(P, run, seed, data, "hd-progressive")
+    rows, models = [], {n: expand_streams(base, n).to(run.device) for n in (1, 2)}
     for stage in (1, 2):
         if stage == 2:  # n=4 from stage 1's n=2, before that one trains on
-            models[4] = expand_streams(models[2], 4).to(args.device)
+            models[4] = expand_streams(models[2], 4).to(run.device)
         for n, model in models.items():
-            train(f"hd-progressive/n={n} stage {stage}", model, lm_loss, data, tt.continuation(P), args, seed,
+            train(f"hd-progressive/n={n} stage {stage}", model, lm_loss, data, hl.continuation(P), run, seed,
                   first_batch=P.hd_base_iters + (stage - 1) * P.hd_cont_iters)
-            rows += result_rows(HD_PROG, prog_arm(n, stage), seed, evaluate(model, data, P, args))
+            rows += result_rows(HD_PROG, prog_arm(n, stage), seed, evaluate(model, data, P, run))
     return rows, {}
 
 
@@ -143,23 +144,24 @@ HD_PROG_CLAIMS = [
 
 
 ADDITION = "addition, answer digits; the contrast"
-TAH_ADD_FX = tt.tah_effects(ADDITION, inside=False)  # the probes of inside.py read lookups
+TAH_ADD_FX = hl.tah_effects(ADDITION, inside=False)  # the probes of inside.py read lookups
 ATTENTION = {tag: Effect(f"TaH: duo-causal vs ablations, oracle routing ({task})",
                          "avg: duo-causal 35.9 vs causal (depth-1 keys) 30.5 (TaH Table 2)")
              for tag, task in (("tah", "in-context lookups, answers"), ("tah-add", ADDITION))}
 TAH_ATTENTION_ABLATIONS = ("first_depth", "depth_local")  # beside duo-causal
 
 
-def tah_attention_ablations(P, args, seed, data, trained):
+def tah_attention_ablations(P, run, seed, data, trained):
     """A TaH suite's extra arms: stage 1 again from the base under each attention ablation, on the
     same batches, evaluated under oracle routing beside the duo-causal model."""
     t, rows = trained, []
     for attention in TAH_ATTENTION_ABLATIONS:
-        m = t["from_base"](attention)
-        train(f"{t['tag']}/TaH stage 1, {attention}", m, t["stage1"], data, t["sft"], args, seed, **t["later"])
+        m = hl.from_base(t.base, attention)
+        train(f"{t.tag}/TaH stage 1, {attention}", m, hl.OracleLoss(t.oracle), data, t.stages.sft, run, seed,
+              first_batch=t.stages.base.iters)
         if attention == "first_depth":
-            rows += result_rows(ATTENTION[t["tag"]], "duo-causal", seed, t["ev"](t["models"]["tah"], "oracle")[0])
-        rows += result_rows(ATTENTION[t["tag"]], attention.replace("_", "-"), seed, t["ev"](m, "oracle")[0])
+            rows += result_rows(ATTENTION[t.tag], "duo-causal", seed, t.evaluate(t.models["tah"], "oracle")[0])
+        rows += result_rows(ATTENTION[t.tag], attention.replace("_", "-"), seed, t.evaluate(m, "oracle")[0])
     return rows
 
 
@@ -172,16 +174,16 @@ def attention_claim(tag, task):
 # TaH where the query token does not say which queries are hard (TaH §3.3, Table 6)
 
 
-TAH_HIDDEN_FX = tt.tah_effects("lookups, hop count per problem, answers")
+TAH_HIDDEN_FX = hl.tah_effects("lookups, hop count per problem, answers")
 HIDDEN = "TaH, lookups, hop count per problem"
 
 
-def tah_hidden(P, args, seed, data):
+def tah_hidden(P, run, seed, data):
     """TaH on lookups whose hop count is written once per problem, in a header far from the
     queries; every query token names its symbol alone. A router that reads the token cannot tell
     the hard queries; the decider can only through the model's state (TaH §3.3's premise). The
     headline protocol, with the token-type router beside the decider."""
-    return tt.tah_protocol(P, args, seed, data, "tah-hidden", TAH_HIDDEN_FX, router=True)
+    return hl.tah_protocol(P, run, seed, data, "tah-hidden", TAH_HIDDEN_FX, router=True)
 
 
 # "within the router's accuracy": at most 3 points below it. Fixed on the dev split (3 seeds) before any
@@ -194,23 +196,23 @@ def router_claims(fx, task):
     """The decider against the token-type router (the hop count per problem: the query token
     does not say which queries are hard): as accurate, for fewer passes; and it sends the one
     query token on in some of its occurrences, not all or none (TaH Table 6: 17-34%)."""
-    r, inside = fx[0], fx[3]
+    r, inside = fx.routing, fx.inside
     return [
-        Claim(f"{task}: the decider runs fewer passes per token than the token-type router", r, tt.TAH_DECIDER,
-              tt.TAH_ROUTER, "passes per token", -1),
-        Claim(f"{task}: ... at answer accuracy within {ROUTER_MARGIN * 100:.0f} points of the router's", r, tt.TAH_DECIDER,
-              tt.TAH_ROUTER, "acc", +1, margin=ROUTER_MARGIN),
+        Claim(f"{task}: the decider runs fewer passes per token than the token-type router", r, hl.TAH_DECIDER,
+              hl.TAH_ROUTER, "passes per token", -1),
+        Claim(f"{task}: ... at answer accuracy within {ROUTER_MARGIN * 100:.0f} points of the router's", r, hl.TAH_DECIDER,
+              hl.TAH_ROUTER, "acc", +1, margin=ROUTER_MARGIN),
         Claim(f"{task}: the decider sends the query token on in more than 10% of its occurrences", inside,
-              tt.QUERIES, 0.1, tt.SENT, +1),
-        Claim(f"{task}: ... and in fewer than 90%: it routes by state, not by token", inside, tt.QUERIES, 0.9, tt.SENT, -1),
+              hl.QUERIES, 0.1, hl.SENT, +1),
+        Claim(f"{task}: ... and in fewer than 90%: it routes by state, not by token", inside, hl.QUERIES, 0.9, hl.SENT, -1),
     ]
 
 
-def tah_addition(P, args, seed, data):
+def tah_addition(P, run, seed, data):
     """The contrast: TaH on addition. An answer digit's extra work is the carry chain over the
     operands, not a refinement at the digit's own position, so iterating only the hard digits
     (whose operands never iterate: they have no target) cannot supply it."""
-    return tt.tah_protocol(P, args, seed, data, "tah-add", TAH_ADD_FX, P.add_layers)
+    return hl.tah_protocol(P, run, seed, data, "tah-add", TAH_ADD_FX, P.add_layers)
 
 
 # -----------------------------------------------------------------------------
@@ -241,39 +243,39 @@ class IteratedOracle:
         return d + ((d == 2) & wrong).long()
 
 
-def tah3_protocol(P, args, seed, data):
+def tah3_protocol(P, run, seed, data):
     """TaH-3 against TaH-2 on lookups with three-hop queries (a one-layer model follows one link
     per pass, so a three-hop answer needs three). One base and one Standard fine-tune (the oracle's
     reference), then from the base on the same batches, each through stage 1 and stage 2: TaH-2
     (hard tokens 2 passes), TaH-3 (hard tokens binned per sample by the reference's CE into 2 and
     3 passes, App. A.2.1, the faithful default) and TaH-3 on iterated labels (IteratedOracle,
     read off the TaH-2 model)."""
-    stages = tt.tah_stages(P, data)
-    cfg = tt.tah_config(P, data, P.tah_layers)
-    base = tt.tah_base(P, args, seed, data, cfg, "tah3", stages)
+    stages = hl.tah_stages(P, data)
+    cfg = hl.tah_config(P, data, P.tah_layers)
+    base = hl.tah_base(P, run, seed, data, cfg, "tah3", stages)
     models = {}
-    for arm, depth in ((tt.STANDARD, 1), (TAH2_ARM, 2), (TAH3_ARM, 3), (TAH3_ITER_ARM, 3)):
-        models[arm] = ThinkAtHard(replace(cfg, max_depth=max(depth, 2))).to(args.device)
+    for arm, depth in ((hl.STANDARD, 1), (TAH2_ARM, 2), (TAH3_ARM, 3), (TAH3_ITER_ARM, 3)):
+        models[arm] = ThinkAtHard(replace(cfg, max_depth=max(depth, 2))).to(run.device)
         models[arm].load_state_dict(base.state_dict())
         if depth == 1:
-            train("tah3/Standard", models[arm], tt.standard_loss, data, stages[1], args, seed,
-                  first_batch=stages[0].iters)
+            train("tah3/Standard", models[arm], hl.standard_loss, data, stages.sft, run, seed,
+                  first_batch=stages.base.iters)
             ref = copy.deepcopy(models[arm]).eval().requires_grad_(False)
         else:
             oracle = (IteratedOracle(ref, copy.deepcopy(models[TAH2_ARM]).eval().requires_grad_(False), data)
-                      if arm == TAH3_ITER_ARM else tt.Oracle(ref, depth, data))
-            tt.train_tah(f"tah3/{arm}", models[arm], oracle, data, stages, args, seed)
+                      if arm == TAH3_ITER_ARM else hl.Oracle(ref, depth, data))
+            hl.train_tah(f"tah3/{arm}", models[arm], oracle, data, stages, run, seed)
     return [r for arm, m in models.items()
-            for r in result_rows(TAH3, arm, seed, tah_by_hops(m, data, stages[0], args, arm != tt.STANDARD))], {}
+            for r in result_rows(TAH3, arm, seed, tah_by_hops(m, data, stages.base, run, arm != hl.STANDARD))], {}
 
 
 @torch.no_grad()
-def tah_by_hops(model, data, P, args, decider):
+def tah_by_hops(model, data, P, run, decider):
     """Answer accuracy and passes per query by hop count, and the share of all positions at 2 and
     at 3 passes, over the evaluation batches (decider routing, or standard)."""
     model.eval()
     ok, passes, kinds, depths = [], [], [], []
-    for x, y in tt.eval_batches(data, P, args):
+    for x, y in hl.eval_batches(data, P, run):
         out = model(x, y, mode="decider" if decider else "standard")
         keep = y != -1
         ok.append((out.logits.argmax(-1) == y)[keep])
@@ -315,33 +317,34 @@ MOE_LOAD = "max/mean expert load (held-out batches)"
 MOE_OFF, MOE_ON = "bias update off", "bias update on"
 
 
-def moe_arm(P, args, seed, data, arm, **overrides):
+def moe_arm(P, run, seed, data, arm, **overrides):
     """One backbone from scratch for P.iters steps: its held-out metrics and expert load."""
     torch.manual_seed(seed)
-    model = Transformer(ModelConfig(**backbone_cfg(P, data.vocab_size, **overrides))).to(args.device)
-    train(f"moe/{arm}", model, lm_loss, data, P, args, seed)
+    model = Transformer(ModelConfig(**backbone_cfg(P, data.vocab_size, **overrides))).to(run.device)
+    train(f"moe/{arm}", model, lm_loss, data, P, run, seed)
     loads = []
 
     def watch(m, x, y):  # the trained model's expert loads on each held-out batch
         out = m(x, y)[:2]
         loads.append(m.expert_load().float().cpu())
         return out
-    r = evaluate(model, data, P, args, watch)
+    r = evaluate(model, data, P, run, watch)
     load = torch.stack(loads)  # (batches, layers, experts)
     return {**r, MOE_LOAD: (load.max(-1).values / load.mean(-1)).mean().item()}
 
 
-def moe_protocol(P, args, seed, data):
+def moe_protocol(P, run, seed, data):
     """Loss-free balancing off vs on, each from scratch."""
-    off = moe_arm(P, args, seed, data, MOE_OFF, balance_gamma=0.0)
-    on = moe_arm(P, args, seed, data, MOE_ON, balance_gamma=1e-3)
-    return result_rows(MOE_BALANCE, MOE_OFF, seed, off) + result_rows(MOE_BALANCE, MOE_ON, seed, on), {MOE_ON: on}
+    off = moe_arm(P, run, seed, data, MOE_OFF, balance_gamma=0.0)
+    on = moe_arm(P, run, seed, data, MOE_ON, balance_gamma=1e-3)
+    return result_rows(MOE_BALANCE, MOE_OFF, seed, off) + result_rows(MOE_BALANCE, MOE_ON, seed, on), on
 
 
-def moe_mirror(P, args, seed, data, trained):
-    """The extra arm: KV-Mirror off; its baseline, KV-Mirror on, is the "bias update on" model."""
-    off = moe_arm(P, args, seed, data, "KV-Mirror off", balance_gamma=1e-3, kv_mirror=False)
-    return (result_rows(MOE_MIRROR, "KV-Mirror on", seed, {k: trained[MOE_ON][k] for k in ("loss", "acc")})
+def moe_mirror(P, run, seed, data, trained):
+    """The extra arm: KV-Mirror off; its baseline, KV-Mirror on, is the "bias update on" model
+    (`trained`: its held-out metrics)."""
+    off = moe_arm(P, run, seed, data, "KV-Mirror off", balance_gamma=1e-3, kv_mirror=False)
+    return (result_rows(MOE_MIRROR, "KV-Mirror on", seed, {k: trained[k] for k in ("loss", "acc")})
             + result_rows(MOE_MIRROR, "KV-Mirror off", seed, {k: off[k] for k in ("loss", "acc")}))
 
 
@@ -352,17 +355,30 @@ MOE_CLAIMS = [Claim("loss-free bias balances the experts", MOE_BALANCE, MOE_ON, 
 # Every suite, in the report's order: the headline suites with their extra arms, then the rest
 
 
+def hidden_lookups(P):
+    return Lookups(P.symbols, P.queries, P.two_hop, per_problem=True)
+
+
+def addition(P):
+    return Arith(P.digits)
+
+
+def three_hop_lookups(P):
+    return Lookups(P.symbols, P.queries, P.two_hop, P.three_hop)
+
+
+
 SUITES = [
-    replace(tt.HD, extra=hd_ablations, claims=tt.HD.claims + HD_ABLATION_CLAIMS),
-    replace(tt.TAH, extra=tah_attention_ablations, claims=tt.TAH.claims + [attention_claim("tah", "TaH, lookups")]),
-    Suite("tah-hidden", tah_hidden, tt.tah_claims(TAH_HIDDEN_FX, HIDDEN) + router_claims(TAH_HIDDEN_FX, HIDDEN)
-          + tt.inside_claims(TAH_HIDDEN_FX, HIDDEN), task=lambda P: Lookups(P.symbols, P.queries, P.two_hop, per_problem=True),
-          batch="tah_batch", plots=[tt.plot_tah_tradeoff], outputs=("tah_tradeoff.png",)),
-    Suite("tah-add", tah_addition, tt.tah_claims(TAH_ADD_FX, "TaH, addition") + [attention_claim("tah-add",
-          "TaH, addition")], task=lambda P: Arith(P.digits), batch="tah_batch", extra=tah_attention_ablations,
-          plots=[tt.plot_tah_tradeoff], outputs=("tah_tradeoff.png",)),
+    replace(hl.HD, extra=hd_ablations, claims=hl.HD.claims + HD_ABLATION_CLAIMS),
+    replace(hl.TAH, extra=tah_attention_ablations, claims=hl.TAH.claims + [attention_claim("tah", "TaH, lookups")]),
+    Suite("tah-hidden", tah_hidden, hl.tah_claims(TAH_HIDDEN_FX, HIDDEN) + router_claims(TAH_HIDDEN_FX, HIDDEN)
+          + hl.inside_claims(TAH_HIDDEN_FX, HIDDEN), task=hidden_lookups,
+          batch="tah_batch", plots=[hl.plot_tah_tradeoff], outputs=("tah_tradeoff.png",)),
+    Suite("tah-add", tah_addition, hl.tah_claims(TAH_ADD_FX, "TaH, addition") + [attention_claim("tah-add",
+          "TaH, addition")], task=addition, batch="tah_batch", extra=tah_attention_ablations,
+          plots=[hl.plot_tah_tradeoff], outputs=("tah_tradeoff.png",)),
     Suite("moe", moe_protocol, MOE_CLAIMS, extra=moe_mirror),
     Suite("hd-progressive", hd_progressive, HD_PROG_CLAIMS),
-    Suite("tah3", tah3_protocol, TAH3_CLAIMS, task=lambda P: Lookups(P.symbols, P.queries, P.two_hop, P.three_hop),
+    Suite("tah3", tah3_protocol, TAH3_CLAIMS, task=three_hop_lookups,
           batch="tah_batch"),
 ]

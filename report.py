@@ -9,9 +9,14 @@ the verdicts, and two plots (with matplotlib): the training loss curves and TaH'
 compute-accuracy trade-off.
 """
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
+
+from processes import log
+from tasks import atomic
+from trainer import loss_curves
 
 
 @dataclass(frozen=True)
@@ -398,3 +403,25 @@ def plot_masks(path):
 
 if __name__ == "__main__":
     print(plot_masks("docs/masks.png"))
+
+
+# -----------------------------------------------------------------------------
+# The report of a run
+
+
+def write_report(rows, suites, ran, header, run, out, meta):
+    """<out>/results.md and results.json (`meta`, then the rule, summary and verdicts) from the
+    rows alone, judged by the claims of every suite whose rows are there; the loss curves and
+    the plots of the suites that ran (`ran`); the first seed's analyses kept in <run>/inside."""
+    summary, verdicts = summarize(rows), judge(rows, [c for s in suites for c in s.claims])
+    titles = {f: title for s in suites for f, title in s.inside.items()}
+    kept = [(f, title) for f, title in titles.items() if (run.run_dir / "inside" / f).exists()]
+    md = table(summary, verdicts, header) + "".join(
+        f"\n\n**{title}**, seed {run.seeds[0]}\n\n" + (run.run_dir / "inside" / f).read_text() for f, title in kept)
+    atomic(out / "results.md", lambda f: f.write((md + "\n").encode()))
+    atomic(out / "results.json", lambda f: f.write(json.dumps(
+        {**meta, "rule": RULE, "summary": summary, "verdicts": verdicts}, indent=1).encode()))
+    eval_set = "dev" if run.eval_split == "dev" else "held-out"
+    plots = dict.fromkeys(p for s in ran for p in s.plots)
+    png = [plot(loss_curves(run.run_dir), out)] + [p(summary, out, eval_set, run.run_dir) for p in plots]
+    log("\n" + md + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in png if p))
