@@ -392,7 +392,7 @@ def train_one(job):
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ("moe.py", "hd.py", "tah.py", "checks.py", "tasks.py", "trainer.py", "report.py", "inside.py",
-           "headline.py", "ablations.py", "runner.py", "train_tiny.py")  # all that can change a result
+           "processes.py", "headline.py", "ablations.py", "runner.py", "train_tiny.py")  # all that can change a result
 
 
 def open_run(opts, text, out):

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from argparse import Namespace
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +19,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import ablations
+import headline as hl
+import processes
 import report
 import runner
 import tasks
@@ -183,7 +184,7 @@ def test_the_token_type_router_iterates_exactly_its_token_kind(per_problem, seed
     problem: every query; on the query: the "x?2" tokens), 1 elsewhere; scanned token by token."""
     task = tasks.Lookups(5, 3, 0.4, per_problem=per_problem)
     x, _ = task.batch("train", 3, T, torch.Generator().manual_seed(seed))
-    got = tt.TokenRouter(task)(x)
+    got = hl.TokenRouter(task)(x)
     for b in range(3):
         for t in range(T):
             name = task.describe(x[b, t].item())
@@ -200,8 +201,8 @@ def test_iterated_labels_give_a_third_pass_to_the_tah2_models_depth2_mistakes(se
     torch.manual_seed(seed)
     task = tasks.Lookups(6, 4, 0.3, 0.3)
     x, y = task.batch("train", 3, 3 * task.problem_len, torch.Generator().manual_seed(seed))
-    cfg = tt.tah_config(tt.PRESETS["default"], task, 1)
-    ref, tah2 = tt.ThinkAtHard(cfg).eval(), tt.ThinkAtHard(cfg).eval()
+    cfg = hl.tah_config(tt.PRESETS["default"], task, 1)
+    ref, tah2 = hl.ThinkAtHard(cfg).eval(), hl.ThinkAtHard(cfg).eval()
     got = ablations.IteratedOracle(ref, tah2, task)(x, y)
     assert (got == 3).any() and (got == 1).any()  # an untrained pair leaves work for the third pass
     for b in range(3):
@@ -224,8 +225,8 @@ def test_tah3_oracle_bins_each_problems_hard_answers_by_reference_ce(seed):
     torch.manual_seed(seed)
     task = tasks.Lookups(6, 4, 0.3, 0.3)
     x, y = task.batch("train", 3, 3 * task.problem_len, torch.Generator().manual_seed(seed))
-    ref = tt.ThinkAtHard(tt.tah_config(tt.PRESETS["default"], task, 1)).eval()
-    got = tt.Oracle(ref, 3, task)(x, y)
+    ref = hl.ThinkAtHard(hl.tah_config(tt.PRESETS["default"], task, 1)).eval()
+    got = hl.Oracle(ref, 3, task)(x, y)
     logits = ref(x, mode="standard").logits.detach()
     for b in range(3):
         hard = [t for t in range(x.size(1)) if y[b, t] >= 0 and logits[b, t].argmax() != y[b, t]]
@@ -271,8 +272,8 @@ def small(seed=0):
 def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path):
     P = tt.Preset(block=16, batch=4, iters=6, warmup=2, lr=3e-3)
     data = tasks.Arith(2)
-    args = lambda d: Namespace(device="cpu", run_dir=d, muon=False, accum=2, log_every=100, ckpt_every=1)
-    straight = tt.train("arm", small(), tt.lm_loss, data, P, args(tmp_path / "a"), seed=3)
+    args = lambda d: trainer.Run(d, accum=2, log_every=100, ckpt_every=1)
+    straight = trainer.train("arm", small(), hl.lm_loss, data, P, args(tmp_path / "a"), seed=3)
 
     class Killed(Exception):
         pass
@@ -281,8 +282,8 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path)
         if step == 3:
             raise Killed
     with pytest.raises(Killed):
-        tt.train("arm", small(), tt.lm_loss, data, P, args(tmp_path / "b"), seed=3, on_step=kill)
-    resumed = tt.train("arm", small(seed=99), tt.lm_loss, data, P, args(tmp_path / "b"), seed=3)
+        trainer.train("arm", small(), hl.lm_loss, data, P, args(tmp_path / "b"), seed=3, on_step=kill)
+    resumed = trainer.train("arm", small(seed=99), hl.lm_loss, data, P, args(tmp_path / "b"), seed=3)
     assert len(resumed) == 6
     assert resumed == straight  # bit for bit on CPU
 
@@ -345,19 +346,20 @@ def test_a_worker_stopped_by_an_error_hands_its_one_line_to_the_parent(monkeypat
     parent reports as died."""
     def stops(P, args, seed, data):
         raise SystemExit(f"error: [moe/arm s{seed}] loss is nan at step 2")
-    monkeypatch.setitem(runner.SUITES, "moe", replace(runner.SUITES["moe"], protocol=stops))
+    opts = runner.parse(["--smoke", "--suite", "moe"], tt.LAB)
     threads = torch.get_num_threads()
     try:
-        found = runner.train_one((runner.parse(["--smoke", "--suite", "moe"]), "moe", 3, None, [], {}, None))
+        found = runner.train_one(runner.Job(replace(tt.LAB.suite("moe"), protocol=stops), 3, opts.P, trainer.Run(Path(".")),
+                                            None, [], {}, None, 1))
     finally:
         torch.set_num_threads(threads)  # train_one sets the process up as a worker's
     assert found == ("moe", 3, "error: [moe/arm s3] loss is nan at step 2")
 
 
-def dies_or_stops(task):  # what a --jobs process runs in the next test (module level: a spawned process imports it)
-    args, suite, seed = task[:3]
+def dies_or_stops(job):  # what a --jobs process runs in the next test (module level: a spawned process imports it)
+    suite, seed = job.suite.name, job.seed
     if seed == 1:
-        if args.out.endswith("dies"):
+        if job.run.run_dir.name.endswith("dies"):
             os._exit(3)  # as the OOM killer would end it: no exception, no result
         return suite, seed, "error: [moe/arm s1] loss is nan at step 2"
     time.sleep(120)  # seed 0 would run on: the error must stop it
@@ -366,19 +368,18 @@ def dies_or_stops(task):  # what a --jobs process runs in the next test (module 
 
 @pytest.mark.parametrize("how, words", [("dies", "seed 1 died (exit code 3"), ("stops", "loss is nan")])
 def test_an_error_in_one_jobs_process_stops_them_all_with_one_line(how, words, tmp_path):
-    args = runner.parse(["--smoke", "--suite", "moe", "--seeds", "2", "--jobs", "2", "--out", str(tmp_path / how)])
+    opts = runner.parse(["--smoke", "--suite", "moe", "--seeds", "2", "--jobs", "2"], tt.LAB)
     t0 = time.time()
     with pytest.raises(SystemExit, match=re.escape(words)):
-        runner.train_in_processes(args, [("moe", 0), ("moe", 1)], {"moe": None}, {"moe": []}, {}, [],
-                              tmp_path / "rows.json", work=dies_or_stops)
+        runner.train_in_processes(opts, trainer.Run(tmp_path / how), [("moe", 0), ("moe", 1)], {"moe": None},
+                                  {"moe": []}, {}, [], work=dies_or_stops)
     assert time.time() - t0 < 60  # not after seed 0's two minutes
 
 
-def sleeps(task):  # a --jobs process that trains for long (module level, for the spawned process)
-    args, suite, seed = task[:3]
-    (Path(args.out) / f"pid{seed}").write_text(str(os.getpid()))
+def sleeps(job):  # a --jobs process that trains for long (module level, for the spawned process)
+    (job.run.run_dir.parent / f"pid{job.seed}").write_text(str(os.getpid()))
     time.sleep(120)
-    return suite, seed, []
+    return job.suite.name, job.seed, []
 
 
 def running(pid):
@@ -409,11 +410,11 @@ def all_ended(pids):
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_jobs_processes_end_when_their_parent_is_killed(tmp_path):
     """kill -9 of the parent leaves no process training on unseen (each watches its parent)."""
-    script = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import runner, test_train_tiny as t\n"
-              f"args = runner.parse(['--smoke', '--suite', 'moe', '--seeds', '2', '--jobs', '2', "
-              f"'--out', {str(tmp_path)!r}])\n"
-              f"runner.train_in_processes(args, [('moe', 0), ('moe', 1)], {{'moe': None}}, {{'moe': []}}, {{}}, [], None, "
-              f"work=t.sleeps)\n")
+    script = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import runner, trainer, train_tiny as tt, "
+              f"test_train_tiny as t; from pathlib import Path\n"
+              f"opts = runner.parse(['--smoke', '--suite', 'moe', '--seeds', '2', '--jobs', '2'], tt.LAB)\n"
+              f"runner.train_in_processes(opts, trainer.Run(Path({str(tmp_path)!r}) / 'run'), [('moe', 0), ('moe', 1)], "
+              f"{{'moe': None}}, {{'moe': []}}, {{}}, [], work=t.sleeps)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=HERE)
     pids = pids_written([tmp_path / "pid0", tmp_path / "pid1"])
     assert all(running(p) for p in pids)
@@ -422,8 +423,13 @@ def test_jobs_processes_end_when_their_parent_is_killed(tmp_path):
     assert all_ended(pids)
 
 
-def sleeping_suite(P, args, seed, data):  # a suite that trains for long (one process: from planning on)
-    (Path(args.out) / f"pid{seed}").write_text(str(os.getpid()))
+def lab_with(name, **changes):
+    """train_tiny's Lab with one suite changed (a test's stand-in for it)."""
+    return replace(tt.LAB, suites=tuple(replace(s, **changes) if s.name == name else s for s in tt.LAB.suites))
+
+
+def sleeping_suite(P, run, seed, data):  # a suite that trains for long (one process: from planning on)
+    (run.run_dir.parent / f"pid{seed}").write_text(str(os.getpid()))
     time.sleep(120)
     return [], {}
 
@@ -437,10 +443,10 @@ def test_ctrl_c_stops_the_run_with_one_line_and_leaves_no_process(jobs, tmp_path
     run started with &, would pass SIGINT ignored on to it)."""
     script = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               f"import sys; sys.path.insert(0, {str(HERE)!r}); import train_tiny as tt, runner, test_train_tiny as t\n"
-              + ("runner.train_one = t.sleeps\n" if jobs > 1 else
-                 "runner.SUITES['moe'] = tt.replace(runner.SUITES['moe'], protocol=t.sleeping_suite)\n") +
-              f"tt.main(['--smoke', '--suite', 'moe', '--seeds', '{jobs}', '--jobs', '{jobs}', "
-              f"'--out', {str(tmp_path)!r}])\n")
+              + ("runner.train_one = t.sleeps\nlab = tt.LAB\n" if jobs > 1 else
+                 "lab = t.lab_with('moe', protocol=t.sleeping_suite)\n") +
+              f"runner.main(['--smoke', '--suite', 'moe', '--seeds', '{jobs}', '--jobs', '{jobs}', "
+              f"'--out', {str(tmp_path)!r}], lab)\n")
     run = subprocess.Popen([sys.executable, "-c", script], cwd=HERE, start_new_session=True, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     pids = pids_written([tmp_path / f"pid{s}" for s in range(jobs)])
@@ -455,14 +461,14 @@ def test_ctrl_c_stops_the_run_with_one_line_and_leaves_no_process(jobs, tmp_path
 
 def test_jobs_default_to_the_cores_per_thread_and_refuse_torchrun(monkeypatch, capsys):
     monkeypatch.setattr(runner, "usable_cores", lambda: 4)
-    assert runner.parse(["--smoke"]).jobs == 4
-    assert runner.parse(["--smoke", "--threads", "2"]).jobs == 2
-    assert runner.parse(["--smoke", "--threads", "8"]).jobs == 1
-    assert runner.parse(["--smoke", "--jobs", "3"]).jobs == 3
+    assert runner.parse(["--smoke"], tt.LAB).jobs == 4
+    assert runner.parse(["--smoke", "--threads", "2"], tt.LAB).jobs == 2
+    assert runner.parse(["--smoke", "--threads", "8"], tt.LAB).jobs == 1
+    assert runner.parse(["--smoke", "--jobs", "3"], tt.LAB).jobs == 3
     monkeypatch.setattr(runner, "DDP", True)
-    assert runner.parse(["--smoke"]).jobs == 1
+    assert runner.parse(["--smoke"], tt.LAB).jobs == 1
     with pytest.raises(SystemExit):
-        runner.parse(["--smoke", "--jobs", "2"])
+        runner.parse(["--smoke", "--jobs", "2"], tt.LAB)
     assert "under torchrun give --jobs 1" in capsys.readouterr().err
 
 
@@ -476,14 +482,14 @@ def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
     patch_train(monkeypatch, counting)
     tt.main(["--smoke", "--jobs", "1", "--out", str(tmp_path)])  # one process: the patched train is the one used
     assert trainer.PROGRESS.planned == stages  # the progress line's plan is what the suites ran
-    assert {s.split("/")[0] for s, _ in stages} == set(runner.SUITES)
+    assert {s.split("/")[0] for s, _ in stages} == set(tt.LAB.names())
     md = (tmp_path / "results.md").read_text()
     effects = all_effects()
     assert len(effects) == 28  # 8 HD and MoE, TaH-3, 4 for each TaH lookups task, 3 for addition, 2 attention, 3 HD inside per n
     for effect in effects:  # every effect reported, with the paper's figure in its caption
         assert f"**{effect.name}** (paper: {effect.paper})" in md, effect
     result = json.loads((tmp_path / "results.json").read_text())
-    assert [v["claim"] for v in result["verdicts"]] == [c.name for c in runner.claims()]  # every claim judged
+    assert [v["claim"] for v in result["verdicts"]] == [c.name for c in runner.claims(tt.LAB)]  # every claim judged
     assert all(v["verdict"] == "not shown" for v in result["verdicts"])  # one seed can never show an effect
     tt.main(["--smoke", "--jobs", "1", "--out", str(tmp_path)])  # a second run finds every suite done
     assert (tmp_path / "results.md").read_text().split("\n", 1)[1] == md.split("\n", 1)[1]
@@ -496,28 +502,26 @@ def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
 def all_effects():
     """Every Effect the two suite files define: alone, in a tuple (a TaH task's), or in a dict."""
     found = []
-    for module in (tt, ablations):
+    for module in (hl, ablations):
         for v in vars(module).values():
             for group in (v.values() if isinstance(v, dict) else [v]):
-                found += [e for e in (group if isinstance(group, tuple) else [group]) if isinstance(e, tt.Effect)]
+                found += [e for e in (group if isinstance(group, tuple) else [group]) if isinstance(e, hl.Effect)]
     return list(dict.fromkeys(found))
 
 
 def patch_train(monkeypatch, fn):
-    """Every suite trains through `fn`: train_tiny's and ablations' own name for trainer.train."""
-    for module in (tt, ablations):
+    """Every suite trains through `fn`: headline's and ablations' own name for trainer.train."""
+    for module in (hl, ablations):
         monkeypatch.setattr(module, "train", fn)
 
 
 def suite_run(name, P, args, seed, data, every_arm):
-    """One (suite, seed) of the registry, as the runner runs it."""
-    args.P, args.every_arm = P, every_arm
-    return runner.run_suite(name, args, seed, data)
+    """One (suite, seed) of train_tiny's Lab, as the runner runs it."""
+    return runner.run_suite(tt.LAB.suite(name), P, replace(args, every_arm=every_arm), seed, data)
 
 
 def suite_args(tmp_path):
-    return Namespace(device="cpu", run_dir=tmp_path, seeds=range(1), muon=False, accum=1, log_every=100, ckpt_every=100,
-                     eval_split="val", eval_seed=7919)
+    return trainer.Run(tmp_path, log_every=100, ckpt_every=100)
 
 
 def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp_path, monkeypatch):
@@ -577,11 +581,11 @@ def test_hd_ablations_continue_the_n1_checkpoint_on_the_headline_batches(tmp_pat
             assert len(batches) == len(batches2) == P.hd_cont_iters
             assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(batches, batches2))
         else:  # the headline's arm, its rows reused
-            trained[(effect.name, arm)] = tt.hd_cont_arm(how)
+            trained[(effect.name, arm)] = hl.hd_cont_arm(how)
     assert len(seen) == 3 + sum(isinstance(h, dict) for _, _, h in ablations.hd_continued_ablation_arms(P))
     value = {(r["effect"], r["arm"], r["metric"]): r["value"] for r in rows}
     for (effect, arm), source in trained.items():
-        assert value[(effect, arm, "loss")] == value[(tt.HD_N.name, source, "loss")]
+        assert value[(effect, arm, "loss")] == value[(hl.HD_N.name, source, "loss")]
     arms = {e.name: {a for (f, a, _) in value if f == e.name} for e in (ablations.HD_LAYOUTS_CONT, ablations.HD_OBJECTIVE_CONT,
                                                                           ablations.HD_KV_CONT, ablations.HD_SCRATCH)}
     for c in ablations.HD_ABLATION_CLAIMS:  # every claim names arms the suite writes
@@ -598,14 +602,14 @@ def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response
         out = real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
         trained[name] = model
         return out
-    real_stage1 = tt.ThinkAtHard.stage1_loss
+    real_stage1 = hl.ThinkAtHard.stage1_loss
 
     def stage1(self, idx, targets, depths):
         if training[0] == f"{suite}/TaH stage 1":  # not the token-type router's stage 1
             labelled.append((idx.clone(), targets.clone(), depths.clone()))
         return real_stage1(self, idx, targets, depths)
     patch_train(monkeypatch, spy)
-    monkeypatch.setattr(tt.ThinkAtHard, "stage1_loss", stage1)
+    monkeypatch.setattr(hl.ThinkAtHard, "stage1_loss", stage1)
     P = tt.PRESETS["smoke"]
     task = {"tah": tasks.Lookups(P.symbols, P.queries, P.two_hop), "tah-add": tasks.Arith(P.digits),
             "tah-hidden": tasks.Lookups(P.symbols, P.queries, P.two_hop, per_problem=True)}[suite]
@@ -651,12 +655,12 @@ def test_exact_match_counts_the_problems_whose_every_answer_digit_is_right(digit
 
 
 def test_a_claim_whose_effect_ran_but_whose_arm_has_no_rows_is_an_error():
-    rows = [dict(effect=tt.HD_N.name, paper="", arm=tt.hd_cont_arm(n), metric="loss", seed=s, value=5.0 - 0.01 * n)
+    rows = [dict(effect=hl.HD_N.name, paper="", arm=hl.hd_cont_arm(n), metric="loss", seed=s, value=5.0 - 0.01 * n)
             for n in (1, 2, 4) for s in (0, 1)]
-    assert [v["claim"] for v in report.judge(rows, runner.claims())] == [c.name for c in tt.HD_CLAIMS]  # other suites did not run
-    renamed = [{**r, "arm": "n=4 (renamed)"} if r["arm"] == tt.hd_cont_arm(4) else r for r in rows]
+    assert [v["claim"] for v in report.judge(rows, runner.claims(tt.LAB))] == [c.name for c in hl.HD_CLAIMS]  # other suites did not run
+    renamed = [{**r, "arm": "n=4 (renamed)"} if r["arm"] == hl.hd_cont_arm(4) else r for r in rows]
     with pytest.raises(ValueError, match="n=4 beats n=1"):
-        report.judge(renamed, runner.claims())
+        report.judge(renamed, runner.claims(tt.LAB))
 
 
 def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the_spread():
@@ -677,17 +681,17 @@ def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the
 
 def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
     # the decider's "share of AlwaysThink's gain" is nan in a seed where AlwaysThink gains nothing
-    fx = tt.TAH_FX[0]
-    rows = [dict(effect=fx.name, paper="", arm=tt.STANDARD, metric="acc", seed=s, value=0.5) for s in range(3)]
-    rows += [dict(effect=fx.name, paper="", arm=tt.TAH_DECIDER, metric="share", seed=s, value=v)
+    fx = hl.TAH_FX[0]
+    rows = [dict(effect=fx.name, paper="", arm=hl.STANDARD, metric="acc", seed=s, value=0.5) for s in range(3)]
+    rows += [dict(effect=fx.name, paper="", arm=hl.TAH_DECIDER, metric="share", seed=s, value=v)
              for s, v in enumerate([0.5, float("nan"), 1.5])]
-    rows += [dict(effect=fx.name, paper="", arm=tt.TAH_DECIDER, metric="none", seed=s, value=float("nan"))
+    rows += [dict(effect=fx.name, paper="", arm=hl.TAH_DECIDER, metric="none", seed=s, value=float("nan"))
              for s in range(3)]
-    rows += [dict(effect=fx.name, paper="", arm=tt.TAH_DECIDER, metric="acc", seed=s, value=v)
+    rows += [dict(effect=fx.name, paper="", arm=hl.TAH_DECIDER, metric="acc", seed=s, value=v)
              for s, v in enumerate([0.6, float("nan"), 0.8])]
     summary = report.summarize(rows)
     s = {x["metric"]: x for x in summary}
-    acc = next(x for x in summary if x["arm"] == tt.TAH_DECIDER and x["metric"] == "acc")
+    acc = next(x for x in summary if x["arm"] == hl.TAH_DECIDER and x["metric"] == "acc")
     assert (acc["delta_mean"], acc["delta_std"]) == pytest.approx((0.2, np.sqrt(0.02)))  # (0.1, 0.3) by hand
     assert (s["share"]["mean"], s["share"]["std"], s["share"]["n"], s["share"]["seeds"]) == (1.0, np.sqrt(0.5), 2, 3)
     md = report.table(summary, [], "")
@@ -728,7 +732,7 @@ def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
 ])
 def test_bad_arguments_exit_with_one_clear_message(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
-        runner.parse(argv)
+        runner.parse(argv, tt.LAB)
     assert e.value.code != 0
     assert words in capsys.readouterr().err
 
@@ -785,19 +789,19 @@ def test_file_system_errors_stop_with_one_line(case, tmp_path, monkeypatch):
 
 def test_non_utf8_paths_and_a_non_numeric_port_are_refused(capsys):
     with pytest.raises(SystemExit):
-        runner.parse(["--out", "out-\udcff"])  # a byte that is not UTF-8, as Python passes it on
+        runner.parse(["--out", "out-\udcff"], tt.LAB)  # a byte that is not UTF-8, as Python passes it on
     assert "UTF-8 paths" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="MASTER_PORT"):
-        trainer.dist_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "x"})
+        processes.dist_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "x"})
 
 
 def test_data_that_no_suite_reads_or_that_is_a_folder_is_refused(tmp_path, capsys):
     f = tmp_path / "t.txt"
     f.write_text("some text " * 100)
     with pytest.raises(SystemExit):
-        runner.parse(["--data", str(f), "--suite", "tah"])
+        runner.parse(["--data", str(f), "--suite", "tah"], tt.LAB)
     with pytest.raises(SystemExit):
-        runner.parse(["--data", str(tmp_path)])
+        runner.parse(["--data", str(tmp_path)], tt.LAB)
     err = capsys.readouterr().err
     assert "suites that train on text (hd, moe, hd-progressive)" in err and "it is a folder" in err
 
@@ -805,20 +809,20 @@ def test_data_that_no_suite_reads_or_that_is_a_folder_is_refused(tmp_path, capsy
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_device_without_cuda_is_refused(capsys):
     with pytest.raises(SystemExit):
-        runner.parse(["--device", "cuda:0"])
+        runner.parse(["--device", "cuda:0"], tt.LAB)
     assert "CUDA is not available" in capsys.readouterr().err
 
 
 def test_rank_without_world_size_is_one_clear_error():
-    assert trainer.dist_env({}) == (False, 0, 1)
+    assert processes.dist_env({}) == (False, 0, 1)
     launched = {"LOCAL_RANK": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}  # what torchrun sets
-    assert trainer.dist_env({"RANK": "1", "WORLD_SIZE": "2", **launched}) == (True, 1, 2)
+    assert processes.dist_env({"RANK": "1", "WORLD_SIZE": "2", **launched}) == (True, 1, 2)
     with pytest.raises(SystemExit, match="WORLD_SIZE"):
-        trainer.dist_env({"RANK": "0"})
+        processes.dist_env({"RANK": "0"})
     with pytest.raises(SystemExit, match="not in"):
-        trainer.dist_env({"RANK": "3", "WORLD_SIZE": "2", **launched})
+        processes.dist_env({"RANK": "3", "WORLD_SIZE": "2", **launched})
     with pytest.raises(SystemExit, match="MASTER_ADDR, MASTER_PORT not: launch with torchrun"):
-        trainer.dist_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+        processes.dist_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
 
 
 @pytest.mark.parametrize("content, words", [(b"", "empty"), (b"\x00\x01\x02binary\x00" * 50, "binary"),
@@ -833,49 +837,50 @@ def test_bad_data_files_fail_before_any_training(tmp_path, content, words):
 
 def test_non_finite_loss_stops_the_run_naming_the_arm_and_step(tmp_path):
     P = tt.Preset(block=16, batch=4, iters=5, warmup=2, lr=3e-3)
-    args = Namespace(device="cpu", run_dir=tmp_path, muon=False, accum=1, log_every=100, ckpt_every=1)
+    args = trainer.Run(tmp_path, log_every=100, ckpt_every=1)
     calls = []
 
     def blows_up(m, x, y):
         calls.append(1)
-        loss = tt.lm_loss(m, x, y)
+        loss = hl.lm_loss(m, x, y)
         return loss * float("nan") if len(calls) == 3 else loss
     with pytest.raises(SystemExit, match=r"\[arm s0\] loss is nan at step 3"):
-        tt.train("arm", small(), blows_up, tasks.Arith(2), P, args, seed=0)
+        trainer.train("arm", small(), blows_up, tasks.Arith(2), P, args, seed=0)
 
 
 def test_non_finite_weights_after_a_finite_loss_are_refused_before_any_save(tmp_path):
     P = tt.Preset(block=16, batch=4, iters=2, warmup=1, lr=3e-3)
-    args = Namespace(device="cpu", run_dir=tmp_path, muon=False, accum=1, log_every=100, ckpt_every=100)
+    args = trainer.Run(tmp_path, log_every=100, ckpt_every=100)
 
     steps = []
 
     def spoils_last_step(m, x, y):
-        loss = tt.lm_loss(m, x, y)
+        loss = hl.lm_loss(m, x, y)
         steps.append(1)
         if len(steps) == 2:  # the last step: its loss is finite, the weights after it are not
             with torch.no_grad():
                 next(m.parameters()).fill_(float("nan"))
         return loss
     with pytest.raises(SystemExit, match=r"\[arm s0\] the weights are not finite after step 2"):
-        tt.train("arm", small(), spoils_last_step, tasks.Arith(2), P, args, seed=0)
+        trainer.train("arm", small(), spoils_last_step, tasks.Arith(2), P, args, seed=0)
     assert not list(tmp_path.rglob("*.pt"))  # nothing saved
 
 
 def test_a_damaged_or_foreign_checkpoint_gives_one_line_naming_the_file(tmp_path):
     P = tt.Preset(block=16, batch=4, iters=3, warmup=1, lr=3e-3)
-    args = Namespace(device="cpu", run_dir=tmp_path, muon=False, accum=1, log_every=100, ckpt_every=1, run_key="k1")
-    train = lambda name, seed=0: tt.train(name, small(), tt.lm_loss, tasks.Arith(2), P, args, seed=seed)
+    key = ["k1"]  # the configuration the next train call belongs to
+    train = lambda name, seed=0: trainer.train(name, small(), hl.lm_loss, tasks.Arith(2), P,
+                                               trainer.Run(tmp_path, key[0], log_every=100, ckpt_every=1), seed=seed)
     train("arm")
     train("other", seed=1)
     ckpt, other = tmp_path / "ckpt" / "arm_s0.pt", tmp_path / "ckpt" / "other_s1.pt"
     good = ckpt.read_bytes()
     state = trainer.load_checkpoint(ckpt)
     assert state["meta"] == dict(arm="arm", seed=0, iters=3, run="k1") and state["iter"] == 3
-    args.run_key = "k2"  # the same arm's checkpoint, of another configuration
+    key[0] = "k2"  # the same arm's checkpoint, of another configuration
     with pytest.raises(SystemExit, match=f"{ckpt.name} holds .*'k1'.* not .*'k2'"):
         train("arm")
-    args.run_key = "k1"
+    key[0] = "k1"
     at = len(good) // 2  # one changed byte anywhere: the checksum no longer matches
     ckpt.write_bytes(good[:at] + bytes([good[at] ^ 1]) + good[at + 1:])
     with pytest.raises(SystemExit, match=f"{ckpt.name} is damaged.*--fresh"):
@@ -1005,19 +1010,19 @@ def test_flops_per_token_counts_active_experts_and_expanded_rows():
                 if p.ndim >= 2 and "wte" not in n and not n.endswith(("w_gate_up", "w_down")))
     attention = 12 * 3 * 6 * 8 * T / 2
     assert trainer.flops_per_token(m1, T) == pytest.approx(6 * (dense + routed / 4) + attention)
-    hd = tt.HiddenDecoding(tt.HDConfig(**base, top_k=1, n_streams=2, layout="IFL"))
+    hd = hl.HiddenDecoding(hl.HDConfig(**base, top_k=1, n_streams=2, layout="IFL"))
     assert trainer.flops_per_token(hd, T) == pytest.approx(2 * (6 * (dense + routed / 4) + 2 * attention))
 
 
 def test_rehearsal_runs_every_arm_of_the_large_preset_for_two_steps():
-    args = runner.parse(["--rehearse"])
+    args = runner.parse(["--rehearse"], tt.LAB)
     gpu, P = tt.PRESETS["large"], args.P
-    assert args.every_arm and args.suites == list(runner.SUITES) and args.out == "out-rehearsal"
+    assert args.every_arm and args.suites == tt.LAB.names() and args.out == "out-rehearsal"
     assert (P.n_layer, P.n_embd, P.block, P.batch, P.tah_batch) == (gpu.n_layer, gpu.n_embd, gpu.block, gpu.batch,
                                                                    gpu.tah_batch)
     assert {P.iters, P.hd_base_iters, P.hd_cont_iters, P.tah_base_iters, P.tah_sft_iters, P.decider_iters} == {2}
     with pytest.raises(SystemExit):
-        runner.parse(["--rehearse", "--smoke"])
+        runner.parse(["--rehearse", "--smoke"], tt.LAB)
 
 
 def test_counting_saved_measures_what_autograd_keeps_for_backward():
@@ -1030,13 +1035,13 @@ def test_counting_saved_measures_what_autograd_keeps_for_backward():
 
 
 def test_preset_fields_are_flags_the_nanogpt_way():
-    args = runner.parse(["--n_layer=4", "--layout=IIFL", "--plays=macbeth,hamlet", "--lr", "0.01", "--seeds=1"])
+    args = runner.parse(["--n_layer=4", "--layout=IIFL", "--plays=macbeth,hamlet", "--lr", "0.01", "--seeds=1"], tt.LAB)
     assert (args.P.n_layer, args.P.layout, args.P.plays, args.P.lr, args.P.seeds) == (4, "IIFL", ("macbeth", "hamlet"), 0.01, 1)
     assert args.P.n_embd == tt.PRESETS["default"].n_embd  # the rest from the preset
-    dashed = runner.parse(["--n-layer=4", "--layout=IIFL", "--log_every=7", "--ckpt-every", "9", "--seed0=3"])  # both spellings
+    dashed = runner.parse(["--n-layer=4", "--layout=IIFL", "--log_every=7", "--ckpt-every", "9", "--seed0=3"], tt.LAB)  # both spellings
     assert (dashed.P.n_layer, dashed.log_every, dashed.ckpt_every, list(dashed.seeds)) == (4, 7, 9, [3, 4, 5, 6, 7])
-    assert runner.parse([]).preset_name == "default"  # on any device: the measured protocol
-    assert runner.parse(["--smoke", "--iters=7"]).P == tt.replace(tt.PRESETS["smoke"], iters=7)
+    assert runner.parse([], tt.LAB).preset_name == "default"  # on any device: the measured protocol
+    assert runner.parse(["--smoke", "--iters=7"], tt.LAB).P == replace(tt.PRESETS["smoke"], iters=7)
 
 
 def test_averaging_over_ranks_leaves_a_parameter_no_rank_has_a_gradient_for_untouched(tmp_path):
@@ -1048,7 +1053,7 @@ def test_averaging_over_ranks_leaves_a_parameter_no_rank_has_a_gradient_for_unto
     try:
         used, unused = torch.nn.Parameter(torch.ones(3, 3)), torch.nn.Parameter(torch.ones(3, 3))
         (used * 2).sum().backward()
-        assert trainer.average_over_ranks([used, unused], 1.5, "cpu") == 1.5
+        assert processes.average_over_ranks([used, unused], 1.5, "cpu") == 1.5
         assert unused.grad is None and torch.equal(used.grad, torch.full((3, 3), 2.0))
         before = unused.detach().clone()
         opt = torch.optim.AdamW([used, unused], lr=0.1, weight_decay=0.1)
@@ -1061,7 +1066,7 @@ def test_averaging_over_ranks_leaves_a_parameter_no_rank_has_a_gradient_for_unto
 def test_muon_runs_every_suite(tmp_path):
     """TaH's stage 2 trains only the decider, which has no matrix inside the blocks: Muon gets
     nothing there and AdamW takes the rest."""
-    tt.main(["--preset", "smoke", "--suite", ",".join(runner.SUITES), "--muon", "--out", str(tmp_path)])  # every suite
+    tt.main(["--preset", "smoke", "--suite", ",".join(tt.LAB.names()), "--muon", "--out", str(tmp_path)])  # every suite
     assert json.loads((tmp_path / "results.json").read_text())["verdicts"]
 
 
@@ -1069,17 +1074,17 @@ def test_progressive_expansion_chain_keeps_the_function_at_each_stage():
     """1 -> 2 -> 4 (HD §2.3): where expansion is exactly function-preserving (intra-stream layers,
     every stream of a token at its position), each stage starts with its predecessor's logits."""
     torch.manual_seed(0)
-    cfg = tt.HDConfig(vocab_size=61, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8,
+    cfg = hl.HDConfig(vocab_size=61, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8,
                       n_experts=4, expert_hidden=16, layout="III", positions="token", n_streams=1)
-    one = tt.HiddenDecoding(cfg).eval()
-    two = tt.expand_streams(one, 2)
+    one = hl.HiddenDecoding(cfg).eval()
+    two = hl.expand_streams(one, 2)
     with torch.no_grad():
         for p in two.parameters():  # stage 1 trains: the next expansion starts from other weights
             p.add_(0.01 * torch.randn_like(p))
-    four = tt.expand_streams(two, 4)
+    four = hl.expand_streams(two, 4)
     idx = torch.randint(61, (2, 9))
     with torch.no_grad():
-        torch.testing.assert_close(tt.expand_streams(one, 2)(idx)[0], one(idx)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hl.expand_streams(one, 2)(idx)[0], one(idx)[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(four(idx)[0], two(idx)[0], atol=1e-5, rtol=1e-5)
     assert four.cfg.n_streams == 4 and torch.equal(four.tables[3].weight, two.tables[1].weight)
 
@@ -1128,6 +1133,14 @@ def record_pid(folder):
     return None
 
 
+def slow_task(folder, P):  # a Suite's task (module level: a --jobs process receives the suite)
+    return SlowToPickle(folder)
+
+
+def no_arms(P, run, seed, data):
+    return [], {}
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_ctrl_c_while_a_jobs_process_starts_is_not_lost(tmp_path):
     """SIGINT to the run's process group while the parent is inside a --jobs process's start
@@ -1135,10 +1148,10 @@ def test_ctrl_c_while_a_jobs_process_starts_is_not_lost(tmp_path):
     from either process, and no process left. (Before: SIGINT was ignored there, and lost.)"""
     script = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               f"import sys; sys.path.insert(0, {str(HERE)!r}); import train_tiny as tt, runner, test_train_tiny as t\n"
-              "runner.train_one = t.sleeps\n"
-              "runner.SUITES['moe'] = tt.replace(runner.SUITES['moe'], protocol=lambda *a: ([], {}), extra=None, "
-              f"task=lambda P: t.SlowToPickle({str(tmp_path)!r}))\n"
-              f"runner.main(['--smoke', '--suite', 'moe', '--seeds', '2', '--jobs', '2', '--out', {str(tmp_path)!r}])\n")
+              "import functools; runner.train_one = t.sleeps\n"
+              "lab = t.lab_with('moe', protocol=t.no_arms, extra=None, "
+              f"task=functools.partial(t.slow_task, {str(tmp_path)!r}))\n"
+              f"runner.main(['--smoke', '--suite', 'moe', '--seeds', '2', '--jobs', '2', '--out', {str(tmp_path)!r}], lab)\n")
     run = subprocess.Popen([sys.executable, "-c", script], cwd=HERE, start_new_session=True, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for _ in range(1200):
@@ -1157,7 +1170,7 @@ def test_ctrl_c_while_a_jobs_process_starts_is_not_lost(tmp_path):
 def test_a_master_port_out_of_range_is_refused_at_start():
     env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="99999")
     with pytest.raises(SystemExit, match="MASTER_PORT must be a port in 1..65535, got 99999"):
-        trainer.dist_env(env)
+        processes.dist_env(env)
 
 
 @pytest.mark.parametrize("case", ["unresolvable address", "port in use"])
@@ -1174,7 +1187,7 @@ def test_a_ddp_set_up_that_cannot_start_stops_with_one_line(case, monkeypatch):
         monkeypatch.setenv(k, v)
     try:
         with pytest.raises(SystemExit) as e:
-            trainer.start_ddp(Namespace(device="cpu"), timeout=20)
+            processes.start_ddp("cpu", timeout=20)
     finally:
         busy.close()
     line = str(e.value.code)
@@ -1213,26 +1226,26 @@ def test_temporaries_of_a_run_killed_mid_write_are_swept_from_out(tmp_path):
 
 
 def test_a_suite_registered_in_one_place_reaches_every_part_of_the_run(tmp_path, monkeypatch, capsys):
-    """A throwaway Suite, added to the registry and nowhere else: it is a --suite choice and in
+    """A throwaway Suite, added to the Lab and nowhere else: it is a --suite choice and in
     --help, part of --suite all, planned by the probe (its stage in the progress plan), trained,
     reported (its effect's table) and judged (its claim)."""
-    fx = tt.Effect("throwaway: an arm against its base", "no paper")
+    fx = hl.Effect("throwaway: an arm against its base", "no paper")
 
-    def protocol(P, args, seed, data):
+    def protocol(P, run, seed, data):
         torch.manual_seed(seed)
         model = Transformer(ModelConfig(vocab_size=data.vocab_size, block_size=P.block, n_layer=3, n_embd=32,
                                         n_head=6, n_kv_head=2, head_dim=8, n_experts=4, expert_hidden=16))
-        losses = tt.train("throwaway/arm", model, tt.lm_loss, data, P, args, seed)
-        return (tt.result_rows(fx, "base", seed, {"x": 1.0})
-                + tt.result_rows(fx, "arm", seed, {"x": 2.0 + len(losses) + seed})), {}
+        losses = trainer.train("throwaway/arm", model, hl.lm_loss, data, P, run, seed)
+        return (hl.result_rows(fx, "base", seed, {"x": 1.0})
+                + hl.result_rows(fx, "arm", seed, {"x": 2.0 + len(losses) + seed})), {}
     claim = report.Claim("throwaway: the arm beats its base", fx, "arm", "base", "x", +1)
-    monkeypatch.setitem(runner.SUITES, "throwaway", tt.Suite("throwaway", protocol, [claim],
-                                                             task=lambda P: tasks.Arith(P.digits), batch="tah_batch"))
+    lab = replace(tt.LAB, suites=tt.LAB.suites + (runner.Suite("throwaway", protocol, [claim],
+                                                               task=lambda P: tasks.Arith(P.digits), batch="tah_batch"),))
     with pytest.raises(SystemExit):
-        runner.parse(["--help"])
+        runner.parse(["--help"], lab)
     assert "throwaway" in capsys.readouterr().out
-    assert "throwaway" in runner.parse(["--suite", "all"]).suites
-    tt.main(["--smoke", "--suite", "throwaway", "--seeds", "2", "--jobs", "1", "--out", str(tmp_path)])
+    assert "throwaway" in runner.parse(["--suite", "all"], lab).suites
+    runner.main(["--smoke", "--suite", "throwaway", "--seeds", "2", "--jobs", "1", "--out", str(tmp_path)], lab)
     P = tt.PRESETS["smoke"]
     assert trainer.PROGRESS.planned == [("throwaway/arm", P.iters)] * 2  # the probe's plan
     assert f"**{fx.name}**" in (tmp_path / "results.md").read_text()
