@@ -21,6 +21,7 @@ widths, and where TaH's extra cost goes; (6) on CUDA, flex_attention vs SDPA and
 
 import argparse
 import contextlib
+import copy
 import os
 import statistics
 import sys
@@ -247,28 +248,45 @@ def tah_profile(L, device, repeats, width=256, frac=0.06, B=4):
     hard = (torch.rand(B, L, generator=torch.Generator().manual_seed(0)) < frac).to(device)
     depths = {"Standard": torch.ones(B, L, dtype=torch.long, device=device), "TaH": 1 + hard.long()}
 
-    def patched(forward, depths):
-        step = tah_train(model, idx, depths)
-
-        def run():
-            saved, LoRALinear.forward = LoRALinear.forward, forward
-            try:
-                step()
-            finally:
-                LoRALinear.forward = saved
-        return run
-    no_lora = lambda m, x: m.base(x)
-    w_frozen = lambda m, x: (F.linear(x, m.base.weight.detach(), m.base.bias) + m.scale * F.linear(F.linear(x, m.A), m.B)
-                             if m.active else m.base(x))
     t = timeit({"Standard": tah_train(model, idx, depths["Standard"]), "TaH": tah_train(model, idx, depths["TaH"]),
-                "TaH, no LoRA at depth 1 (diagnostic)": patched(no_lora, depths["TaH"]),
-                "TaH, no gradient from depth 1 into W (diagnostic)": patched(w_frozen, depths["TaH"])}, repeats, device)
+                "TaH, no LoRA at depth 1 (diagnostic)": tah_train(with_adapters(model, NoLoRA), idx, depths["TaH"]),
+                "TaH, no gradient from depth 1 into W (diagnostic)":
+                    tah_train(with_adapters(model, NoGradIntoW), idx, depths["TaH"])}, repeats, device)
     first = ops["one pass (every row)"]
     rows = [[f"decode step, B={B}: {k}", f"{v:.0f} ops", f"{v / first:.2f}x"] for k, v in ops.items()]
     rows += [[f"train step, B={B}, width {width}: {k}", f"{v * 1e3:.1f} ms", f"{v / t['Standard']:.2f}x"]
              for k, v in t.items()]
     show(f"5b. Where TaH's extra cost goes (L={L}; ops counted by torch.profiler, 8 decode steps after {L // 2} tokens)",
          rows, ["what", "per step", "vs one pass (decode) or Standard (train)"])
+
+
+class NoLoRA(LoRALinear):
+    """Diagnostic adapter: off at every depth (the second pass runs the base weights)."""
+
+    def forward(self, x):
+        return self.base(x)
+
+
+class NoGradIntoW(LoRALinear):
+    """Diagnostic adapter: at depth >= 1 the base weight is read without a gradient into it."""
+
+    def forward(self, x):
+        if not self.active:
+            return self.base(x)
+        return F.linear(x, self.base.weight.detach(), self.base.bias) + self.scale * F.linear(F.linear(x, self.A), self.B)
+
+
+def with_adapters(model, cls):
+    """A copy of a ThinkAtHard whose adapters run as `cls` (a LoRALinear subclass), same weights."""
+    m = copy.deepcopy(model)
+    for parent in list(m.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is LoRALinear:
+                new = cls(child.base, child.A.size(0), child.scale * child.A.size(0))
+                new.A, new.B = child.A, child.B
+                setattr(parent, name, new)
+    m.loras = [x for x in m.backbone.modules() if isinstance(x, LoRALinear)]
+    return m
 
 
 def tah_train(model, idx, depths):

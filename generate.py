@@ -208,25 +208,18 @@ def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, gen
 
 @contextmanager
 def lora_merged(model):
-    """Within: each of a ThinkAtHard's adapters runs merged into its weight, W + (alpha / r) B A,
-    one matmul where it would take three. For decoding, where the weights hold still."""
+    """Within: each of a ThinkAtHard's adapters runs merged into its weight, W + (alpha / r) B A
+    (LoRALinear.merged), one matmul where it would take three. For decoding, where the weights
+    hold still."""
     check_tah(model, "lora_merged")
     with torch.no_grad():
         for m in model.loras:
-            m.forward = merged_forward(m, torch.addmm(m.base.weight, m.B, m.A, alpha=m.scale))
+            m.merged = torch.addmm(m.base.weight, m.B, m.A, alpha=m.scale)
     try:
         yield
     finally:
         for m in model.loras:
-            m.__dict__.pop("forward", None)  # back to the class's forward
-
-
-def merged_forward(m, weight):
-    """A LoRALinear's forward with its adapter merged into `weight` (the adapter still on only
-    while m.active, at depths >= 1)."""
-    def forward(x):
-        return F.linear(x, weight, m.base.bias) if m.active else m.base(x)
-    return forward
+            m.merged = None
 
 
 @torch.no_grad()

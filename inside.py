@@ -12,8 +12,8 @@ Think-at-Hard (arXiv 2511.08577, §5, Figs. 5 and 7):
   - recording_attention gives the duo-causal attention weights of a deeper query.
 
 Each probe runs on a model as it is, without training; train_tiny.py runs them on the models its
-HD and TaH suites have just trained. The attention weights are read by wrapping moe.attend (the
-one attention call every model makes) for the length of a `with` block.
+HD and TaH suites have just trained. The attention weights are read from moe.Attention, which
+records them (moe.attend returns them when asked) for the length of a `with` block.
 """
 
 import math
@@ -32,34 +32,20 @@ from tah import DepthKV
 # Attention weights, from any model built on moe.py
 
 
-def attention_weights(q, k, mask):
-    """softmax(q k^T / sqrt(hd)) under mask, as attend computes it: q (B, H, Tq, hd), k (B, Hkv,
-    Tk, hd), mask as attend takes it -> (B, H, Tq, Tk), float32. A query head h reads key head
-    h // (H / Hkv) (GQA, as SDPA's enable_gqa); a row that sees no key weighs every key 0."""
-    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
-    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.size(-1))
-    if isinstance(mask, str):  # "causal"
-        mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1).nan_to_num(0.0)
-
-
 @contextmanager
-def recording_attention():
-    """Inside the block, every attention call also appends its weights (B, H, Tq, Tk) to the
-    list it yields, in call order: one per layer per pass (one per layer for HD's dense path;
-    layer i of TaH's pass d is entry d * n_layer + i). Only masks as tensors or "causal"."""
-    calls, inner = [], moe.attend
-
-    def attend(q, k, v, mask):
-        calls.append(attention_weights(q, k, mask))
-        return inner(q, k, v, mask)
-    moe.attend = attend
+def recording_attention(model):
+    """Inside the block, every attention call of `model` also appends its weights (B, H, Tq, Tk)
+    to the list it yields, in call order (moe.Attention.record; moe.attend computes them): one per
+    layer per pass (one per layer for HD's dense path; layer i of TaH's pass d is entry
+    d * n_layer + i). Only masks as tensors or "causal"."""
+    calls, layers = [], [m for m in model.modules() if isinstance(m, moe.Attention)]
+    for a in layers:
+        a.record = calls
     try:
         yield calls
     finally:
-        moe.attend = inner
+        for a in layers:
+            a.record = None
 
 
 # -----------------------------------------------------------------------------
@@ -84,7 +70,7 @@ def stream_states(model, idx):
     states = [ref.embed(idx)]
     hooks = [b.register_forward_hook(lambda mod, args, out: states.append(out[0])) for b in ref.backbone.blocks]
     try:
-        with recording_attention() as weights:
+        with recording_attention(ref) as weights:
             ref(idx)
     finally:
         for h in hooks:
@@ -198,7 +184,7 @@ def tah_trace(model, idx, threshold=None):
     the second pass (mean over heads): its queries (the tokens that went on) over the keys,
     each key a (position, depth) state."""
     cache = DepthKV(model.cfg.n_layer, 1, idx.device)
-    with recording_attention() as calls:
+    with recording_attention(model) as calls:
         out = model(idx, mode="decider", cache=cache, threshold=threshold)
     trace = dict(passes=out.depths[0], go=torch.sigmoid(out.passes[0].score[0]),
                  first=out.first_logits[0].argmax(-1), final=out.logits[0].argmax(-1))

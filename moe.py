@@ -137,6 +137,7 @@ class Attention(nn.Module):
         self.gate_proj = nn.Linear(cfg.n_embd, cfg.n_head, bias=False)  # WeLM: one gate per head
         self.o_proj = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
         self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps)  # KNorm: keys only, shared over heads
+        self.record = None  # a list: each call appends its attention weights (inside.recording_attention)
 
     def project_kv(self, u, pos):
         """K, V (B, Hkv, T, hd) of normalized inputs u (B, T, C): projection -> KNorm -> RoPE."""
@@ -160,7 +161,11 @@ class Attention(nn.Module):
         k, v = self.project_kv(u if kv_u is None else kv_u, pos if kv_pos is None else kv_pos)
         if cache is not None:
             k, v = cache.update(k, v)
-        y = attend(q, k, v, mask)  # (B, H, T, hd)
+        if self.record is None:
+            y = attend(q, k, v, mask)  # (B, H, T, hd)
+        else:
+            y, w = attend(q, k, v, mask, return_weights=True)
+            self.record.append(w)
         y = y * torch.sigmoid(self.gate_proj(u)).transpose(1, 2)[..., None]  # head-wise gate
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -191,13 +196,16 @@ def dense_mask(mask_mod, q_idx, kv_idx):
 _flex_compiled = None
 
 
-def attend(q, k, v, mask):
+def attend(q, k, v, mask, return_weights=False):
     """Scaled dot-product attention, q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd) -> (B, H, Tq, hd).
 
     mask: "causal" (Tq == Tk, SDPA's own causal kernel: FlashAttention on CUDA), a boolean
     tensor broadcastable to (B, H, Tq, Tk), None (every key), or a flex_attention BlockMask.
-    Rows that see no key give 0 on every path.
+    Rows that see no key give 0 on every path. With return_weights (not for a BlockMask):
+    (output, the weights (B, H, Tq, Tk) in float32, softmax by hand beside the kernel's output).
     """
+    if return_weights:
+        return attend(q, k, v, mask), attention_weights(q, k, mask)
     gqa = q.size(1) != k.size(1)
     if isinstance(mask, BlockMask):
         global _flex_compiled
@@ -215,6 +223,21 @@ def attend(q, k, v, mask):
     if gqa and Tq * G <= 32 and per_query:  # a decode step's few queries; 32 rows: bench.py 4e
         return attend_folded(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def attention_weights(q, k, mask):
+    """softmax(q k^T / sqrt(hd)) under mask, as attend computes it: q (B, H, Tq, hd), k (B, Hkv,
+    Tk, hd) -> (B, H, Tq, Tk), float32. A query head h reads key head h // (H / Hkv) (GQA, as
+    SDPA's enable_gqa); a row that sees no key weighs every key 0."""
+    if isinstance(mask, BlockMask):
+        raise ValueError("attention weights are read on the dense paths: give a boolean mask, not a BlockMask")
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.size(-1))
+    if isinstance(mask, str):  # "causal"
+        mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)
 
 
 def attend_folded(q, k, v, mask):

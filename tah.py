@@ -133,10 +133,13 @@ class LoRALinear(nn.Module):
         self.B = nn.Parameter(torch.zeros(base.out_features, rank))
         self.scale = alpha / rank
         self.active = False
+        self.merged = None  # W + (alpha / r) B A while decoding, one matmul (generate.lora_merged)
 
     def forward(self, x):
         if not self.active:
             return self.base(x)
+        if self.merged is not None:
+            return F.linear(x, self.merged, self.base.bias)
         return self.base(x) + self.scale * F.linear(F.linear(x, self.A), self.B)
 
 

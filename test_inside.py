@@ -12,9 +12,8 @@ from hypothesis import given, settings, strategies as st
 import moe
 import report
 from hd import HDConfig, HiddenDecoding
-from inside import (OUTCOMES, entropy, head_probes, iteration_outcomes, recording_attention,
+from inside import (OUTCOMES, entropy, head_probes, iteration_outcomes, recording_attention, reference_copy,
                     stream_cosine, stream_mass, stream_states, tah_trace)
-from moe import attend
 from tah import TaHConfig, ThinkAtHard
 
 FAST = settings(max_examples=20, deadline=None)
@@ -94,11 +93,29 @@ def test_recorded_attention_reproduces_each_layer_output():
     vv = v.repeat_interleave(2, dim=1)
     band = torch.ones(6, 6, dtype=torch.bool).tril() & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)
     for mask in ("causal", band, None):
-        with recording_attention() as calls:
-            y = moe.attend(q, k, v, mask)
-        torch.testing.assert_close(calls[0] @ vv, y, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(calls[0].sum(-1), torch.ones(2, 4, 6))
-    assert moe.attend is attend  # put back after the block
+        y, w = moe.attend(q, k, v, mask, return_weights=True)
+        torch.testing.assert_close(y, moe.attend(q, k, v, mask))  # the same output as without the weights
+        torch.testing.assert_close(w @ vv, y, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 6))
+
+
+def test_recording_attention_reads_every_layers_call_and_stops_after_the_block():
+    """recording_attention(model) gets one entry per layer's call, each a row-stochastic
+    (B, H, T*n, T*n) weight map; after the block the layers record nothing."""
+    torch.manual_seed(0)
+    n, model = 2, hd_model(2, layout="IFL")
+    idx = torch.randint(37, (2, 5))
+    ref = reference_copy(model)
+    with recording_attention(ref) as calls:
+        ref(idx)
+    assert len(calls) == ref.cfg.n_layer
+    for w in calls:
+        assert w.shape == (2, ref.cfg.n_head, 5 * n, 5 * n)
+        torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]))
+    layers = [m for m in ref.modules() if isinstance(m, moe.Attention)]
+    assert all(a.record is None for a in layers)
+    ref(idx)
+    assert len(calls) == ref.cfg.n_layer  # nothing recorded outside the block
 
 
 def test_hd_final_stream_mass_sums_to_one_and_intra_layers_read_their_own_stream():
