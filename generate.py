@@ -110,7 +110,9 @@ def make_caches(model):
 class TaHCache:
     """The TaH forward's cache preallocated for decoding B rows: the calls tah.DepthKV answers,
     with room for block_size tokens at every depth and every buffer (the (position, depth,
-    exists) lookups, each layer's K/V) written in place at the slot of the pass add() opened."""
+    exists) lookups, each layer's K/V) written in place at the slot of the pass add() opened.
+    Why two caches: decoding writes in place, with no graph to keep; training needs every
+    pass's K/V in the autograd graph, which tah.DepthKV keeps by concatenation."""
 
     def __init__(self, model, B, device):
         check_tah(model, "TaHCache")

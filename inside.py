@@ -13,7 +13,7 @@ Think-at-Hard (arXiv 2511.08577, §5, Figs. 5 and 7):
 
 Each probe runs on a model as it is, without training; train_tiny.py runs them on the models its
 HD and TaH suites have just trained. The attention weights are read from moe.Attention, which
-records them (moe.attend returns them when asked) for the length of a `with` block.
+records them (moe.attention_weights, beside moe.attend) for the length of a `with` block.
 """
 
 import math

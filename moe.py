@@ -161,11 +161,9 @@ class Attention(nn.Module):
         k, v = self.project_kv(u if kv_u is None else kv_u, pos if kv_pos is None else kv_pos)
         if cache is not None:
             k, v = cache.update(k, v)
-        if self.record is None:
-            y = attend(q, k, v, mask)  # (B, H, T, hd)
-        else:
-            y, w = attend(q, k, v, mask, return_weights=True)
-            self.record.append(w)
+        if self.record is not None:  # inside.recording_attention reads the weights
+            self.record.append(attention_weights(q, k, mask))
+        y = attend(q, k, v, mask)  # (B, H, T, hd)
         y = y * torch.sigmoid(self.gate_proj(u)).transpose(1, 2)[..., None]  # head-wise gate
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -196,16 +194,13 @@ def dense_mask(mask_mod, q_idx, kv_idx):
 _flex_compiled = None
 
 
-def attend(q, k, v, mask, return_weights=False):
+def attend(q, k, v, mask):
     """Scaled dot-product attention, q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd) -> (B, H, Tq, hd).
 
     mask: "causal" (Tq == Tk, SDPA's own causal kernel: FlashAttention on CUDA), a boolean
     tensor broadcastable to (B, H, Tq, Tk), None (every key), or a flex_attention BlockMask.
-    Rows that see no key give 0 on every path. With return_weights (not for a BlockMask):
-    (output, the weights (B, H, Tq, Tk) in float32, softmax by hand beside the kernel's output).
+    Rows that see no key give 0 on every path. attention_weights gives its weights.
     """
-    if return_weights:
-        return attend(q, k, v, mask), attention_weights(q, k, mask)
     gqa = q.size(1) != k.size(1)
     if isinstance(mask, BlockMask):
         global _flex_compiled

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from processes import DDP, MASTER, PROGRESS, WORLD, log, run_in_processes, start_ddp
 from report import write_report
-from tasks import atomic, load_text
-from trainer import Run
+from tasks import load_text
+from trainer import Run, load_rows, save_rows
 
 MAX_SEED0 = (2**63 - 1 - 2 * 10**9) // 1_000_003 - 10**6  # room for 10^6 seeds and 10^9 steps
 
@@ -387,7 +387,7 @@ def train_one(job):
 
 
 # -----------------------------------------------------------------------------
-# The run's folder, key and rows
+# The run's folder and key
 
 
 HERE = Path(__file__).resolve().parent
@@ -412,39 +412,6 @@ def open_run(opts, text, out):
         tmp.unlink(missing_ok=True)
     return Run(run_dir, key, opts.device, opts.seeds, opts.eval_split, opts.eval_seed, opts.every_arm, opts.muon,
                opts.accum, opts.compile, opts.rehearse, opts.log_every, opts.ckpt_every)
-
-
-ROW_KEYS = {"suite", "effect", "paper", "arm", "metric", "seed", "value"}
-
-
-def rows_digest(rows):
-    return hashlib.sha256(json.dumps(rows, indent=1).encode()).hexdigest()
-
-
-def save_rows(path, rows, key):
-    """The finished rows, with the run's key and the sha256 load_rows checks."""
-    doc = {"run": key, "sha256": rows_digest(rows), "rows": rows}
-    atomic(path, lambda f: f.write(json.dumps(doc, indent=1).encode()))
-
-
-def load_rows(path, key):
-    """The rows of the finished (suite, seed)s of run `key`, or one line naming the file if it
-    was changed or belongs to another run."""
-    if not path.exists():
-        return []
-    try:
-        doc = json.loads(path.read_text())
-        rows = doc["rows"]
-        ok = doc["sha256"] == rows_digest(rows) and all(isinstance(r, dict) and r.keys() == ROW_KEYS for r in rows)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        ok = False
-    if not ok:
-        raise SystemExit(f"error: {path} is damaged (unreadable, or its checksum does not match); delete it "
-                         f"(the checkpoints beside it are reused), or run with --fresh")
-    if doc.get("run") != key:
-        raise SystemExit(f"error: {path} holds the rows of run {doc.get('run')}, not of this run ({key}); delete "
-                         f"it, or run with --fresh")
-    return rows
 
 
 # -----------------------------------------------------------------------------

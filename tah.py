@@ -20,8 +20,7 @@ Depths are 0-based here (the paper's d = 1 is depth 0). Token i runs D_i passes,
   continue iff sigmoid > threshold and depth < max_depth.
 - Oracle labels (Eq. 7, App. A.2.1) and the stage-1 and stage-2 losses (§4.3).
 
-Decoding, where the decider sets each token's depth as it is generated, lives in generate.py;
-input checks live in checks.py.
+Decoding (the decider sets each token's depth as it is generated) lives in generate.py.
 
 Run `python tah.py` for a small demo: the duo-causal mask drawn and the four routing modes.
 """
@@ -197,12 +196,13 @@ class DepthKV:
     are concatenated (§4.1): each pass appends its rows and attends to all of them under the
     duo-causal mask. Every batch row gets the same row slots per pass; a batch row the pass
     skips (or a padded query) leaves its slots marked absent, and the mask reads positions and
-    depths, not row order. Grows by concatenation, so every pass stays in the autograd graph.
+    depths, not row order.
 
-    The forward reads a cache through these calls only (generate.TaHCache answers the same ones,
-    preallocated): `batch`, `reserve(T, block_size)`, `add(pos, depth, valid, rows)` (a pass's
-    row slots), `lookups` and `len`, and per layer moe's one call, `layers[i].update(k, v)`,
-    which fills the slots of the pass add() opened, for its batch rows."""
+    Why two caches: training needs every pass's K/V in the autograd graph, so this one grows
+    by concatenation; decoding (generate.TaHCache) writes preallocated buffers in place. The
+    forward reads either through these calls only: `batch`, `reserve(T, block_size)`, `add(pos,
+    depth, valid, rows)` (a pass's row slots), `lookups`, `len`, and per layer moe's one call,
+    `layers[i].update(k, v)`, which fills the slots of the pass add() opened, for its rows."""
 
     def __init__(self, n_layer, B, device):
         self.layers = [LayerKV(self) for _ in range(n_layer)]
@@ -288,17 +288,6 @@ class ThinkAtHard(nn.Module):
         for m in self.loras:
             m.active = active
 
-    def next_input(self, summed_logits):
-        """Eq. 4 with the top-k only: softmax over the top-k logits, zero weight elsewhere, times
-        the embedding table. (A dense (.., V) @ (V, C) product: the same sum as gathering the k
-        rows, and cheaper than the (.., k, C) gather and its backward when k is near V.)"""
-        E = self.backbone.wte.weight
-        if self.cfg.logit_topk >= E.size(0):  # the top-k is every logit: skip the (slow) sort
-            return F.softmax(upcast(summed_logits), dim=-1).to(E.dtype) @ E
-        vals, ids = torch.topk(upcast(summed_logits), self.cfg.logit_topk, dim=-1)
-        w = torch.zeros(*vals.shape[:-1], E.size(0), dtype=E.dtype, device=E.device)
-        return w.scatter(-1, ids, F.softmax(vals, dim=-1).to(E.dtype)) @ E
-
     def forward(self, idx, targets=None, mode="standard", depths=None, cache=None, features=False, threshold=None):
         """Depth-wise forward of idx (B, T) under a routing mode:
         standard (every token 1 pass), always (max_depth), oracle (the given depths (B, T)),
@@ -337,35 +326,6 @@ class ThinkAtHard(nn.Module):
         loss = None if targets is None else F.cross_entropy(upcast(summed.flatten(0, 1)), targets.flatten(),
                                                             ignore_index=-1)
         return TaHOutput(summed, loss, ran, passes[0].logits, passes)
-
-    def read_decider(self, p, kept, summed, score):
-        """The decider's view of pass p (§4.2): the hidden states in cfg.decider_states and the
-        top-k values of the running summed logits (B', Tq, V); its raw scores if `score`."""
-        topv = torch.topk(upcast(summed), self.cfg.logit_topk, dim=-1).values
-        p.features = DeciderInput([kept[l] for l in self.cfg.decider_states],
-                                  topv.to(self.decider.logit_proj.weight.dtype))  # its weights' dtype
-        p.score = self.decider(p.features) if score else None
-
-    def batch_rows(self, active):
-        """The batch rows a deeper pass runs: None = every row (gather=False, the reference,
-        which computes every token); else, with gather=True, the rows with a token going on,
-        (B',), possibly none. A row with nothing to do costs nothing: in batched decoding the
-        second pass runs only the rows whose token continues."""
-        if not self.cfg.gather:
-            return None if active.any() else active.new_zeros(0, dtype=torch.long)
-        rows = active.any(1).nonzero().squeeze(1)  # one wait for the device, as the dynamic shape needs
-        return None if rows.numel() == active.size(0) else rows
-
-    def select(self, active):
-        """The query rows of a deeper pass among the batch rows it runs: sel (B', Tq) token
-        indices, valid (B', Tq). With gather=True it left-packs each row's active tokens in
-        position order; with gather=False it runs every token and masks the inactive ones (the
-        reference)."""
-        if self.cfg.gather:
-            n_act = active.sum(1)
-            sel = torch.argsort((~active).int(), dim=1, stable=True)[:, :int(n_act.max())]
-            return sel, torch.arange(sel.size(1), device=sel.device) < n_act[:, None]
-        return torch.arange(active.size(1), device=active.device).expand_as(active), active
 
     def run_pass(self, x, q_pos, d, valid, cache, rows=None):
         """One pass of the backbone at depth d over the query rows x (B', Tq, C) at positions
@@ -407,6 +367,14 @@ class ThinkAtHard(nn.Module):
         summed = summed.index_put((b_i, t_i), logits[valid], accumulate=True)
         return summed, ran.index_put((b_i, t_i), torch.full_like(t_i, d + 1))
 
+    def read_decider(self, p, kept, summed, score):
+        """The decider's view of pass p (§4.2): the hidden states in cfg.decider_states and the
+        top-k values of the running summed logits (B', Tq, V); its raw scores if `score`."""
+        topv = torch.topk(upcast(summed), self.cfg.logit_topk, dim=-1).values
+        p.features = DeciderInput([kept[l] for l in self.cfg.decider_states],
+                                  topv.to(self.decider.logit_proj.weight.dtype))  # its weights' dtype
+        p.score = self.decider(p.features) if score else None
+
     def route(self, mode, depths, p, d, shape, threshold):
         """Which tokens go on to depth d + 1: (B, T) bool."""
         if mode == "decider":  # go on iff sigmoid(score) > threshold
@@ -417,6 +385,38 @@ class ThinkAtHard(nn.Module):
         return torch.as_tensor(want, device=p.sel.device).expand(shape) > d + 1
 
     # -- training objectives (§4.3) -------------------------------------------------
+
+    def batch_rows(self, active):
+        """The batch rows a deeper pass runs: None = every row (gather=False, the reference,
+        which computes every token); else, with gather=True, the rows with a token going on,
+        (B',), possibly none. A row with nothing to do costs nothing: in batched decoding the
+        second pass runs only the rows whose token continues."""
+        if not self.cfg.gather:
+            return None if active.any() else active.new_zeros(0, dtype=torch.long)
+        rows = active.any(1).nonzero().squeeze(1)  # one wait for the device, as the dynamic shape needs
+        return None if rows.numel() == active.size(0) else rows
+
+    def select(self, active):
+        """The query rows of a deeper pass among the batch rows it runs: sel (B', Tq) token
+        indices, valid (B', Tq). With gather=True it left-packs each row's active tokens in
+        position order; with gather=False it runs every token and masks the inactive ones (the
+        reference)."""
+        if self.cfg.gather:
+            n_act = active.sum(1)
+            sel = torch.argsort((~active).int(), dim=1, stable=True)[:, :int(n_act.max())]
+            return sel, torch.arange(sel.size(1), device=sel.device) < n_act[:, None]
+        return torch.arange(active.size(1), device=active.device).expand_as(active), active
+
+    def next_input(self, summed_logits):
+        """Eq. 4 with the top-k only: softmax over the top-k logits, zero weight elsewhere, times
+        the embedding table. (A dense (.., V) @ (V, C) product: the same sum as gathering the k
+        rows, and cheaper than the (.., k, C) gather and its backward when k is near V.)"""
+        E = self.backbone.wte.weight
+        if self.cfg.logit_topk >= E.size(0):  # the top-k is every logit: skip the (slow) sort
+            return F.softmax(upcast(summed_logits), dim=-1).to(E.dtype) @ E
+        vals, ids = torch.topk(upcast(summed_logits), self.cfg.logit_topk, dim=-1)
+        w = torch.zeros(*vals.shape[:-1], E.size(0), dtype=E.dtype, device=E.device)
+        return w.scatter(-1, ids, F.softmax(vals, dim=-1).to(E.dtype)) @ E
 
     def stage1_loss(self, idx, targets, depths):
         """CE of each token's output at its oracle depth; backbone and LoRA train."""

@@ -334,7 +334,7 @@ def test_jobs_train_the_same_rows_as_one_process_in_any_order(tmp_path):
     md = [(tmp_path / d / "results.md").read_text().split("\n", 1)[1] for d in ("one", "two")]
     assert md[0] == md[1]
     doc = json.loads((one / "rows.json").read_text())  # keep only hd seed 1: the rest finishes after it
-    runner.save_rows(one / "rows.json", [r for r in doc["rows"] if (r["suite"], r["seed"]) == ("hd", 1)], doc["run"])
+    trainer.save_rows(one / "rows.json", [r for r in doc["rows"] if (r["suite"], r["seed"]) == ("hd", 1)], doc["run"])
     tt.main(argv + ["--jobs", "1", "--out", str(tmp_path / "one")])
     assert json.loads((one / "rows.json").read_text())["rows"] == rows[1]
     assert (tmp_path / "one" / "results.md").read_text().split("\n", 1)[1] == md[1]

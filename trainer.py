@@ -10,6 +10,7 @@ exactly, and held-out evaluation. torchrun's ranks and the progress line live in
 import contextlib
 import hashlib
 import io
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -268,6 +269,43 @@ def save(ckpt, model, opts, done, losses, meta):
                 "losses": losses, "meta": meta}, buf)
     payload = buf.getvalue()
     atomic(ckpt, lambda f: f.write(hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload))
+
+
+# -----------------------------------------------------------------------------
+# The finished rows of a run (resume: a (suite, seed) whose rows are saved is not trained again)
+
+
+ROW_KEYS = {"suite", "effect", "paper", "arm", "metric", "seed", "value"}
+
+
+def rows_digest(rows):
+    return hashlib.sha256(json.dumps(rows, indent=1).encode()).hexdigest()
+
+
+def save_rows(path, rows, key):
+    """The finished rows, with the run's key and the sha256 load_rows checks."""
+    doc = {"run": key, "sha256": rows_digest(rows), "rows": rows}
+    atomic(path, lambda f: f.write(json.dumps(doc, indent=1).encode()))
+
+
+def load_rows(path, key):
+    """The rows of the finished (suite, seed)s of run `key`, or one line naming the file if it
+    was changed or belongs to another run."""
+    if not path.exists():
+        return []
+    try:
+        doc = json.loads(path.read_text())
+        rows = doc["rows"]
+        ok = doc["sha256"] == rows_digest(rows) and all(isinstance(r, dict) and r.keys() == ROW_KEYS for r in rows)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise SystemExit(f"error: {path} is damaged (unreadable, or its checksum does not match); delete it "
+                         f"(the checkpoints beside it are reused), or run with --fresh")
+    if doc.get("run") != key:
+        raise SystemExit(f"error: {path} holds the rows of run {doc.get('run')}, not of this run ({key}); delete "
+                         f"it, or run with --fresh")
+    return rows
 
 
 def log_step(name, seed, done, P, loss, dt, model, dev):
