@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from checks import check_caches, check_flex, check_length, check_tokens, is_int
-from moe import ModelConfig, Transformer, causal, causal_after, dense_mask, upcast
+from moe import LayerPlan, ModelConfig, Transformer, causal, causal_after, dense_mask, upcast
 
 # -----------------------------------------------------------------------------
 # Config
@@ -145,6 +145,29 @@ def final_stream(x, n, dim=1):
 # The model
 
 
+@dataclass
+class StreamPlan(LayerPlan):
+    """moe.LayerPlan for n streams: `enter_skip` keeps only the final-stream rows from this block
+    on (the KV-mirror skip); `fold` runs each stream as a batch row of its own (an intra-stream
+    layer); `kv_final` takes the keys from the final stream's own rows of the source state."""
+    n: int = 1
+    enter_skip: bool = False
+    kv_pos: object = None
+    fold: bool = False
+    kv_final: bool = False
+
+    def run(self, block, x, kv_u):
+        n = self.n
+        if self.enter_skip:
+            x = final_stream(x, n)
+        if self.fold:
+            x_f, u_f = block(fold(x, n), self.pos, self.mask, kv_u=None if kv_u is None else fold(kv_u, n),
+                             cache=self.cache)
+            return unfold(x_f, n), unfold(u_f, n)
+        kv_u = final_stream(kv_u, n) if self.kv_final else kv_u
+        return block(x, self.pos, self.mask, kv_u=kv_u, kv_pos=self.kv_pos, cache=self.cache)
+
+
 class HiddenDecoding(nn.Module):
     def __init__(self, cfg: HDConfig):
         super().__init__()
@@ -189,38 +212,37 @@ class HiddenDecoding(nn.Module):
         t = torch.arange(start * n, (start + L) * n, device=dev)  # expanded indices of the new rows
         t_kv = torch.arange((start + L) * n, device=dev)  # every row the keys may come from
         pos = t if cfg.positions == "expanded" else t // n
-        skip, block_masks = self.mirror_skip_from(), {}
+        skip, block_masks = self.mirror_skip_from(), {}  # block masks: one per layer type, built once
+        plans = [self.layer_plan(i, skip, t, t_kv, pos, start, B, None if caches is None else caches[i], block_masks)
+                 for i in range(cfg.n_layer)]
+        return self.backbone.run_blocks(self.embed(idx), plans)
 
-        def layer(i, block, x, kv_u):
-            cache = None if caches is None else caches[i]
-            final_only = skip is not None and i >= skip  # queries: the final-stream rows only
-            if i == skip:
-                x = final_stream(x, n)
-            path = attention_path(cfg, i, final_only, dev, cached=cache is not None)
-            q_t, q_pos = (final_stream(t, n, 0), final_stream(pos, n, 0)) if final_only else (t, pos)
-            if path == "fold":  # each stream a causal sequence of its own (new rows after `start` cached)
-                mask = causal_after(start, L, dev)
-                if final_only:  # the final stream alone, its K/V from its own rows of the source state
-                    return block(x, q_pos, mask, kv_u=final_stream(kv_u, n), kv_pos=q_pos, cache=cache)
-                x_f, u_f = block(fold(x, n), fold(pos.expand(B, -1), n), mask,
-                                 kv_u=None if kv_u is None else fold(kv_u, n), cache=cache)
-                return unfold(x_f, n), unfold(u_f, n)
-            mod = layer_mask(cfg, i)
-            if path == "causal":
-                mask = "causal"
-            elif path == "dense":  # a cached L layer's cache returns only the rows its window reaches
-                reach = self.kv_window(i) if cache is not None else None
-                mask = dense_mask(mod, q_t, t_kv if reach is None else t_kv[max(0, start * n - reach + 1):])
-            else:  # "block": built once per forward, shared by the layers of one type
-                key = (cfg.layout[i], final_only)
-                if key not in block_masks:
-                    mod = on_final_rows(mod, n) if final_only else mod
-                    block_masks[key] = create_block_mask(mod, None, None, len(q_t), len(t_kv), device=dev)
-                mask = block_masks[key]
-            kv = dict(kv_u=kv_u, kv_pos=pos) if final_only else dict(kv_u=kv_u)  # keys: every row's
-            return block(x, q_pos, mask, cache=cache, **kv)
-
-        return self.backbone.run_blocks(self.embed(idx), layer)
+    def layer_plan(self, i, skip, t, t_kv, pos, start, B, cache, block_masks):
+        """How block i runs (moe.LayerPlan): its attention path (attention_path), its mask in that
+        path's form, its query positions, and whether its streams fold into batch rows."""
+        cfg, n, dev, L = self.cfg, self.cfg.n_streams, t.device, len(t) // self.cfg.n_streams
+        final_only = skip is not None and i >= skip  # queries: the final-stream rows only
+        path = attention_path(cfg, i, final_only, dev, cached=cache is not None)
+        q_t, q_pos = (final_stream(t, n, 0), final_stream(pos, n, 0)) if final_only else (t, pos)
+        if path == "fold":  # each stream a causal sequence of its own (new rows after `start` cached)
+            mask = causal_after(start, L, dev)
+            if final_only:  # the final stream alone, its K/V from its own rows of the source state
+                return StreamPlan(q_pos, mask, cache, n, enter_skip=i == skip, kv_pos=q_pos, kv_final=True)
+            return StreamPlan(fold(pos.expand(B, -1), n), mask, cache, n, enter_skip=i == skip, fold=True)
+        mod = layer_mask(cfg, i)
+        if path == "causal":
+            mask = "causal"
+        elif path == "dense":  # a cached L layer's cache returns only the rows its window reaches
+            reach = self.kv_window(i) if cache is not None else None
+            mask = dense_mask(mod, q_t, t_kv if reach is None else t_kv[max(0, start * n - reach + 1):])
+        else:  # "block": built once per forward, shared by the layers of one type
+            key = (cfg.layout[i], final_only)
+            if key not in block_masks:
+                mod = on_final_rows(mod, n) if final_only else mod
+                block_masks[key] = create_block_mask(mod, None, None, len(q_t), len(t_kv), device=dev)
+            mask = block_masks[key]
+        # under the skip the keys still come from every row of the source state, at their positions
+        return StreamPlan(q_pos, mask, cache, n, enter_skip=i == skip, kv_pos=pos if final_only else None)
 
     def head(self, h):
         return self.backbone.lm_head(self.backbone.norm_f(h))

@@ -13,7 +13,7 @@ Follows the WeLM blog post "Building effective sparse MoE models with moderate r
 - KV-Mirror (U-shape): the last third of the layers compute their keys and values from the
   normalized attention input saved by the first third, with their own projections.
 
-hd.py and tah.py reuse `Block`, `attend` and `Transformer.run_blocks` as they are: every
+hd.py and tah.py reuse `Block`, `attend`, `LayerPlan` and `Transformer.run_blocks` as they are: every
 attention call takes "causal", a dense boolean mask built from a `mask_mod`, or (CUDA) a
 flex_attention BlockMask. Decoding with a KV cache lives in generate.py; a forward reads a
 cache through two calls only, `len(cache)` (rows held) and `cache.update(k, v)` (append, and
@@ -197,8 +197,9 @@ _flex_compiled = None
 def attend(q, k, v, mask):
     """Scaled dot-product attention, q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd) -> (B, H, Tq, hd).
 
-    mask: "causal" (Tq == Tk, SDPA's own causal kernel: FlashAttention on CUDA), a boolean
-    tensor broadcastable to (B, H, Tq, Tk), None (every key), or a flex_attention BlockMask.
+    mask, one form per path: "causal" (Tq == Tk: SDPA's own causal kernel, FlashAttention on
+    CUDA); the dense path's boolean tensor broadcastable to (B, H, Tq, Tk), or None for every
+    key (a decode step); the flex path's flex_attention BlockMask.
     Rows that see no key give 0 on every path. attention_weights gives its weights.
     """
     gqa = q.size(1) != k.size(1)
@@ -364,6 +365,19 @@ class Block(nn.Module):
         return x, u
 
 
+@dataclass
+class LayerPlan:
+    """How one block runs in a forward, fixed before the blocks run: its query positions, its
+    mask (one form per attention path, see attend) and its cache. hd.py's plan adds the stream
+    fold and the final-stream skip."""
+    pos: torch.Tensor
+    mask: object
+    cache: object = None
+
+    def run(self, block, x, kv_u):
+        return block(x, self.pos, self.mask, kv_u=kv_u, cache=self.cache)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -384,19 +398,21 @@ class Transformer(nn.Module):
         elif isinstance(module, MoE):
             nn.init.normal_(module.w_gate_up, std=0.02)
 
-    def run_blocks(self, x, layer_fn):
-        """Run every block over the residual x; layer_fn(i, block, x, kv_u) -> (x, u) calls
-        block i with its mask and cache (hd.py and tah.py pass their own).
+    def run_blocks(self, x, plans, states=None):
+        """Run the blocks over the residual x in a plain loop, block i as plans[i] says (a
+        LayerPlan, built before the loop); `states`, a list, gets each block's output.
 
         KV-Mirror bookkeeping lives here once: a source layer's u is kept (not detached, so
         gradients reach the source) and handed to its consumer as kv_u.
         """
         saved = {}
-        for i, block in enumerate(self.blocks):
+        for i, (block, plan) in enumerate(zip(self.blocks, plans, strict=True)):
             kv_u = saved.pop(block.mirror_source) if block.mirror_source is not None else None
-            x, u = layer_fn(i, block, x, kv_u)
+            x, u = plan.run(block, x, kv_u)
             if i in self.sources:
                 saved[i] = u
+            if states is not None:
+                states.append(x)
         return x
 
     def forward(self, idx, targets=None, caches=None):
@@ -408,10 +424,8 @@ class Transformer(nn.Module):
         check_length(start, T, self.cfg.block_size, "positions")
         pos = torch.arange(start, start + T, device=idx.device)
         mask = causal_after(start, T, idx.device)
-
-        def layer(i, block, x, kv_u):  # hd.py and tah.py write their own (masks, streams, depths)
-            return block(x, pos, mask, kv_u=kv_u, cache=None if caches is None else caches[i])
-        x = self.run_blocks(self.wte(idx), layer)
+        x = self.run_blocks(self.wte(idx), [LayerPlan(pos, mask, None if caches is None else caches[i])
+                                            for i in range(self.cfg.n_layer)])
         logits = self.lm_head(self.norm_f(x))
         loss = None
         if targets is not None:

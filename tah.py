@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from checks import check_length, check_oracle, check_routing, check_stage2
-from moe import ModelConfig, Transformer, upcast
+from moe import LayerPlan, ModelConfig, Transformer, upcast
 
 MODES = ("standard", "always", "oracle", "decider")
 
@@ -346,15 +346,11 @@ class ThinkAtHard(nn.Module):
             mask = create_block_mask(mod, B, None, Tq, Tk, device=x.device)
         else:
             mask = dense_batch_mask(mod, B, Tq, Tk, x.device)
-        kept = {0: x}  # hidden states as the authors index them: 0 the input, i + 1 block i's output
-
-        def layer(i, block, x, kv_u):
-            x, u = block(x, q_pos, mask, kv_u=kv_u, cache=cache.layers[i])
-            kept[i + 1] = x
-            return x, u
+        kept = [x]  # hidden states as the authors index them: 0 the input, i + 1 block i's output
+        plans = [LayerPlan(q_pos, mask, cache.layers[i]) for i in range(cfg.n_layer)]
         self.set_lora(d >= 1)  # Eq. 6: theta at depth 0, theta + Delta deeper
         try:
-            return self.backbone.run_blocks(x, layer), kept
+            return self.backbone.run_blocks(x, plans, kept), kept
         finally:  # an error mid-pass must not leave the adapter on for the next call
             self.set_lora(False)
 

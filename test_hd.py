@@ -14,7 +14,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from generate import KVCache, WindowCache, generate, make_caches
 from hd import HDConfig, HiddenDecoding, expand_streams, fold, full, intra, local, shared_intra, unfold
-from moe import ModelConfig, Transformer, attend, dense_mask
+from moe import LayerPlan, ModelConfig, Transformer, attend, dense_mask
 
 FAST = settings(max_examples=25, deadline=None)
 MASK_OF = {"F": lambda n, w: full, "L": lambda n, w: local(w), "I": lambda n, w: intra(n),
@@ -120,7 +120,7 @@ def test_all_intra_model_runs_each_stream_as_its_own_sequence(model, L):
         pos = t if cfg.positions == "expanded" else t // n
         for s in range(n):  # the backbone alone, on E_s[x] at that stream's positions
             p = pos[s::n]
-            ref = model.backbone.run_blocks(model.tables[s](idx), lambda i, blk, x, kv_u: blk(x, p, "causal", kv_u=kv_u))
+            ref = model.backbone.run_blocks(model.tables[s](idx), [LayerPlan(p, "causal")] * cfg.n_layer)
             torch.testing.assert_close(h[:, s::n], ref, atol=1e-5, rtol=1e-5)
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from generate import TaHCache, generate_tah, lora_merged
+from moe import LayerPlan
 from tah import LoRALinear, TaHConfig, ThinkAtHard, dense_batch_mask, duo_causal, oracle_depths
 
 FAST = settings(max_examples=25, deadline=None)
@@ -540,13 +541,8 @@ def test_decider_reads_hidden_states_indexed_as_the_authors_0_is_the_pass_input(
     f0, f1 = out.passes[0].features, out.passes[1].features
     x = model.backbone.wte(idx)
     torch.testing.assert_close(f0.states[0], x)
-    pos, outs = torch.arange(7), []
-
-    def layer(i, block, x, kv_u):  # depth 0 alone is a causal pass (no deeper keys exist yet)
-        x, u = block(x, pos, "causal", kv_u=kv_u)
-        outs.append(x)
-        return x, u
-    model.backbone.run_blocks(x, layer)
+    outs = []  # each block's output; depth 0 alone is a causal pass (no deeper keys exist yet)
+    model.backbone.run_blocks(x, [LayerPlan(torch.arange(7), "causal")] * model.cfg.n_layer, outs)
     torch.testing.assert_close(f0.states[1], outs[1])
     normed = outs[2] / outs[2].pow(2).mean(-1, keepdim=True).add(model.cfg.norm_eps).sqrt() * model.backbone.norm_f.weight
     torch.testing.assert_close(f0.states[2], normed)  # state 3 = n_layer: after the final RMSNorm
