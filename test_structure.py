@@ -19,7 +19,7 @@ def local_imports(path):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
             [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
         found |= {n.split(".")[0] for n in names if (HERE / f"{n.split('.')[0]}.py").exists()}
-    return sorted(found)
+    return found
 
 
 def test_the_project_has_modules_to_check():
