@@ -12,11 +12,13 @@ stream-factorized layout and for all-full; (3) the KV-mirror final-stream skip a
 with the ceiling its measured share of time allows; (4) HD serving: cached decode throughput of
 n = 4 vs n = 1 over batch x prompt length (HD Figure 5), the KV cache per layout, and decode
 tokens/s against prompt length up to the block size, where a decode step's time goes, GQA
-folded for a decode step's few queries, and the sliding-window layer's ring alone; (5)
+folded for a decode step's few queries, the sliding-window layer's ring alone, and the MoE's
+dispatches against the rows they run (4h); (5)
 TaH decode and training cost for Standard, TaH (~6% of tokens iterated) and AlwaysThink at two
 widths, and where TaH's extra cost goes; (6) on CUDA, flex_attention vs SDPA and the compiled model vs eager.
 
-    python bench.py --compile # only a compiled decode step vs eager (4g; minutes of compiling)
+    python bench.py --compile # only compiled against eager: the decode step (4g) and an HD training step (4i);
+                              # about a minute of compiling per row
 """
 
 import argparse
@@ -26,14 +28,15 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from generate import TaHCache, lora_merged, make_caches
+from generate import TaHCache, compiled_step, lora_merged, make_caches
 from hd import HDConfig, HiddenDecoding, fold, full, intra, local, unfold
-from moe import attend, attend_folded, dense_mask
+from moe import GATHER_ROWS, MoE, ModelConfig, attend, attend_folded, dense_mask
 from tah import LoRALinear, TaHConfig, ThinkAtHard
 
 
@@ -508,25 +511,29 @@ def gqa_decode(keys, device, repeats, B=16, H=12, Hkv=2, hd=16):
           "moe.attend takes"])
 
 
-def compiled_decode(cells, device, repeats, steps=32, width=64):
-    """gpt-fast's compiled decode step: torch.compile of the HD forward that decodes one token
-    over the caches written in place, against eager, from the same prompt and caches (greedy).
-    Reports the compile time (the first compiled decode, with its recompiles, less an eager
-    one), steady tokens/s of both and whether their tokens agree. generate.py does not keep a
-    compiled step: on the CPU it does not pay (RESULTS.md). Where it stops: the MoE dispatch
-    splits rows by a data-dependent count (moe.MoE.experts), a graph break per layer."""
-    rows = []
+def compiled_decode(cells, device, repeats, steps=32, width=64, layout="IIFLII"):
+    """gpt-fast's compiled decode step, as users get it (generate.compiled_step: fullgraph,
+    dynamic): from the same prompt and caches, greedy, the compiled step against the same model
+    eager (moe_dispatch "auto": a decode step's few rows gather) and against eager with the
+    loop dispatch (the dispatch before "gather"). Reports the compile time (the first compiled
+    decode less an eager one), the graphs compiled for the model (one: no recompiles across
+    steps), steady tokens/s, n = 4 as a share of n = 1 in each arm, and whether the tokens agree."""
+    from torch._dynamo.utils import counters
+
+    rows, speed = [], {}
     for n, B, P in cells:
         torch.manual_seed(0)
-        model = HiddenDecoding(hd_cfg(n, "IIFLII", P + steps + 1, mirror_skip=False, n_embd=width,
-                                      head_dim=width // 4, expert_hidden=width)).to(device).eval()
-        compiled = torch.compile(model)
-        idx = torch.randint(512, (B, P), device=device)
+        cfg = hd_cfg(n, layout, P + steps + 1, n_layer=len(layout), kv_mirror=len(layout) >= 3, n_embd=width,
+                     head_dim=width // 4, expert_hidden=width)
+        model = HiddenDecoding(cfg).to(device).eval()
+        loop = HiddenDecoding(replace(cfg, moe_dispatch="loop")).to(device).eval()
+        loop.load_state_dict(model.state_dict())
+        idx = torch.randint(cfg.vocab_size, (B, P), device=device)
 
         @torch.no_grad()
-        def decode(step):
+        def decode(model, step):
             caches = make_caches(model)
-            x = model(idx, caches=caches)[0][:, -1:].argmax(-1)  # the prompt, eager in both arms
+            x = model(idx, caches=caches)[0][:, -1:].argmax(-1)  # the prompt, eager in every arm
             out = [x]
             sync(device)
             t = time.perf_counter()
@@ -536,21 +543,73 @@ def compiled_decode(cells, device, repeats, steps=32, width=64):
             sync(device)
             return torch.cat(out, 1), time.perf_counter() - t
 
+        graphs = counters["stats"]["unique_graphs"]
         t = time.perf_counter()
-        decode(compiled)
+        decode(model, compiled_step(model))
         first = time.perf_counter() - t
-        runs = {"eager": [], "compiled": []}
+        arms = {"loop": (loop, loop), "eager": (model, model), "compiled": (model, compiled_step(model))}
+        runs = {k: [] for k in arms}
         for _ in range(repeats):  # round-robin, as timeit
-            for name, step in (("eager", model), ("compiled", compiled)):
-                runs[name].append(decode(step))
-        eager, comp = (statistics.median(s for _, s in runs[k]) for k in ("eager", "compiled"))
-        same = all(torch.equal(a, b) for (a, _), (b, _) in zip(runs["eager"], runs["compiled"]))
-        rows.append([n, B, P, f"{first - eager:.0f}", f"{B * steps / eager:.0f}", f"{B * steps / comp:.0f}",
-                     f"{eager / comp:.2f}x", "yes" if same else "no"])
-    show(f"4g. A compiled decode step (torch.compile, default mode) vs eager, HD layout IIFLII, width {width}, "
-         f"{steps} tokens after the prompt", rows,
-         ["n", "batch", "prompt (tokens)", "compile time (s)", "eager tokens/s", "compiled tokens/s",
-          "compiled's speed-up", "same tokens"])
+            for name, (m, step) in arms.items():
+                runs[name].append(decode(m, step))
+        graphs = counters["stats"]["unique_graphs"] - graphs
+        sec = {k: statistics.median(s for _, s in v) for k, v in runs.items()}
+        speed[n, B, P] = {k: B * steps / v for k, v in sec.items()}
+        same = all(torch.equal(a, b) and torch.equal(a, c) for (a, _), (b, _), (c, _) in
+                   zip(runs["eager"], runs["compiled"], runs["loop"]))
+        share = (" / ".join(f"{speed[n, B, P][k] / speed[1, B, P][k]:.0%}" for k in ("eager", "compiled"))
+                 if n != 1 and (1, B, P) in speed else "")
+        rows.append([n, B, P, f"{first - sec['eager']:.0f}", graphs, *(f"{speed[n, B, P][k]:.0f}" for k in arms),
+                     f"{sec['eager'] / sec['compiled']:.2f}x", f"{sec['loop'] / sec['compiled']:.2f}x", share,
+                     "yes" if same else "no"])
+    show(f"4g. A compiled decode step (generate.compiled_step: fullgraph, dynamic) vs eager, HD layout {layout}, "
+         f"width {width}, {steps} greedy tokens after the prompt (targets at batch 1: compiled >= 3x eager and "
+         f">= 2x the loop dispatch's eager; at batch 16, prompt 512: >= 1.3x; compile <= 60 s; n=4 keeps >= 83% "
+         f"of n=1 at batch 1 and >= 44% at batch 16, prompt 512)", rows,
+         ["n", "batch", "prompt (tokens)", "compile time (s)", "graphs compiled", "eager, loop dispatch (tokens/s)",
+          "eager (tokens/s)", "compiled (tokens/s)", "compiled / eager", "compiled / loop eager",
+          "n=4 as % of n=1 (eager / compiled)", "same tokens"])
+
+
+def moe_dispatch_rows(rows_list, device, repeats, width=64, E=8, k=2):
+    """The MoE layer alone (forward, no grad) over N rows: each dispatch's time, to place
+    moe.GATHER_ROWS, the crossover "auto" uses between gather and sorting by expert."""
+    torch.manual_seed(0)
+    rows = []
+    for N in rows_list:
+        ms = {d: MoE(ModelConfig(n_embd=width, expert_hidden=width, n_experts=E, top_k=k, moe_dispatch=d)).eval()
+              for d in ("gather", "masked", "grouped_mm", "loop")}
+        for m in ms.values():
+            m.load_state_dict(ms["gather"].state_dict())
+        x = torch.randn(N, width, device=device)
+        with torch.no_grad():
+            r = timeit({d: (lambda m=m: m(x)) for d, m in ms.items()}, repeats, device)
+        auto = MoE(ModelConfig(n_embd=width, expert_hidden=width, n_experts=E, top_k=k))
+        rows.append([N, N * k, *(f"{r[d] * 1e6:.0f}" for d in ms), min(r, key=r.get), auto.dispatch(N, x.dtype, device)])
+    show(f"4h. The MoE layer alone ({E} experts, top-{k}, width {width}, forward): time per dispatch "
+         f"(eager, auto gathers up to moe.GATHER_ROWS = {GATHER_ROWS} (token, k) pairs)", rows,
+         ["rows", "(token, k) pairs", "gather (us)", "masked (us)", "grouped_mm (us)", "loop (us)", "fastest",
+          "auto picks (eager)"])
+
+
+def compiled_training(L, ns, device, repeats, B=4, width=64, layout="IIFLII"):
+    """An HD training step (forward, loss, backward) compiled (fullgraph) against eager, with
+    the compile time (the first compiled step less an eager one)."""
+    rows = []
+    for n in ns:
+        torch.manual_seed(0)
+        model = HiddenDecoding(hd_cfg(n, layout, L, n_layer=len(layout), kv_mirror=len(layout) >= 3, n_embd=width,
+                                      head_dim=width // 4, expert_hidden=width)).to(device).train()
+        idx = torch.randint(512, (B, L + 1), device=device)
+        compiled = torch.compile(model, fullgraph=True)
+        t = time.perf_counter()
+        train_step(compiled, idx)()
+        first = time.perf_counter() - t
+        r = timeit({"eager": train_step(model, idx), "compiled": train_step(compiled, idx)}, repeats, device)
+        rows.append([n, f"{first - r['eager']:.0f}", f"{r['eager'] * 1e3:.1f}", f"{r['compiled'] * 1e3:.1f}",
+                     f"{r['eager'] / r['compiled']:.2f}x"])
+    show(f"4i. A compiled HD training step (torch.compile, fullgraph) vs eager, layout {layout}, width {width}, "
+         f"L={L} x B={B}", rows, ["n", "compile time (s)", "eager (ms)", "compiled (ms)", "compiled / eager"])
 
 
 def cuda_section(L, repeats):
@@ -582,7 +641,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="small sizes, seconds (CI)")
     ap.add_argument("--repeats", type=int, help="timed repeats per arm (median)")
     ap.add_argument("--compile", action="store_true",
-                    help="only section 4g, a compiled decode step vs eager (minutes: one compile per row)")
+                    help="only compiled vs eager: 4g, the decode step, and 4i, an HD training step (a compile per row)")
     ap.add_argument("--cuda", action="store_true",
                     help="only the sections a GPU answers: HD serving on CUDA and the CUDA section (gpu_check.sh)")
     args = ap.parse_args(argv)
@@ -596,8 +655,10 @@ def main(argv=None):
     print(f"# bench.py{' --quick' if args.quick else ''} on {dev}, torch {torch.__version__}, median of {rep}")
     q = args.quick
     if args.compile:
-        compiled_decode([(1, 1, 64), (4, 1, 64), (1, 16, 512), (4, 16, 512)] if not q else [(4, 1, 8)], device,
-                        rep, steps=4 if q else 32)
+        layout = "IL" if q else "IIFLII"
+        compiled_decode([(1, 1, 64), (4, 1, 64), (1, 16, 512), (4, 16, 512)] if not q else [(1, 1, 8), (4, 1, 8)],
+                        device, rep, steps=4 if q else 32, layout=layout)
+        compiled_training(16 if q else 128, [4] if q else [1, 4], device, rep, layout=layout)
         return
     if args.cuda:
         hd_serving({"short": 64, "long": 2048}, (1, 4, 16, 64), device, rep, steps=16, width=512)
@@ -612,6 +673,7 @@ def main(argv=None):
     decode_vs_prompt(72 if q else 4096 + 8, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
     decode_profile((8, 32) if q else (64, 1016), (1,) if q else (1, 16), device, steps=2 if q else 8)
     gqa_decode((64,) if q else (512, 4096), device, rep)
+    moe_dispatch_rows((1, 4, 16, 64) if q else (1, 2, 4, 8, 16, 32, 64, 128, 512, 4096), device, rep)
     window_layer(72 if q else 4096 + 32, (1,) if q else (1, 16), device, rep, steps=2 if q else 32)
     tah_costs(16 if q else 64, device, rep, widths=(32,) if q else (64, 256))
     tah_profile(16 if q else 64, device, rep, width=32 if q else 256)

@@ -59,7 +59,7 @@ MODEL = {
                    "an int in [1, n_experts={c.n_experts}]")],
     "expert_hidden": [count()], "ffn_hidden": [count()],
     "balance_gamma": [number(lambda v: v >= 0, "a finite number >= 0")],
-    "moe_dispatch": [one_of("auto", "grouped_mm", "loop")],
+    "moe_dispatch": [one_of("auto", "gather", "masked", "grouped_mm", "loop")],
     "kv_mirror": [FLAG, rule(lambda v, c: not v or c.n_layer >= 3,
                              "False when n_layer < 3 (it needs a first and a last third; n_layer={c.n_layer})")],
     "norm_eps": [number(lambda v: v > 0, "a finite number > 0")],
@@ -115,7 +115,7 @@ def check_config(cfg):
 def check_tokens(idx, targets, vocab_size, values=None):
     """idx (B, T) int64/int32 ids in [0, vocab_size), B, T >= 1; targets None or int64 ids of
     idx's shape in [0, vocab_size), -1 = ignored, at least one kept. values: check the ids
-    themselves (None: only on CPU, where it is free). On CUDA an id out of range still stops at
+    themselves (None: only on CPU, where it is free, and not under torch.compile). On CUDA an id out of range still stops at
     the embedding's own device-side check; all-ignored targets give a nan loss there, which the
     trainer stops on."""
     if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
@@ -129,8 +129,8 @@ def check_tokens(idx, targets, vocab_size, values=None):
                              f"got {getattr(targets, 'dtype', type(targets))}")
         if targets.shape != idx.shape:
             raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
-    if not (idx.device.type == "cpu" if values is None else values):
-        return
+    if not (idx.device.type == "cpu" if values is None else values) or torch.compiler.is_compiling():
+        return  # compiled: a branch on a value would break the graph; the compiled embedding checks its ids
     if idx.min() < 0 or idx.max() >= vocab_size:
         raise ValueError(f"idx must hold ids in [0, vocab_size={vocab_size}), got [{idx.min().item()}, {idx.max().item()}]")
     if targets is not None and (targets.min() < -1 or targets.max() >= vocab_size):

@@ -19,10 +19,13 @@ caches here are plain buffers:
 - `generate` (moe, HD: each new token enters as its n stream rows in one step, the final
   stream's logits pick the next token, HD §3.2) and `generate_tah` (the decider sets each new
   token's depth, TaH §4.2), with `lora_merged` running the depth adapter as one matmul.
+- `compiled_step(model)`: `generate(..., compile=True)`'s one compiled decode step per model
+  (torch.compile, fullgraph, dynamic), as gpt-fast compiles its decode_one_token.
 
 Run `python generate.py` to decode with the three untrained models.
 """
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -191,20 +194,41 @@ def sample(logits, temperature=1.0, sample_top_k=None, generator=None):
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
 
+_compiled_steps = weakref.WeakKeyDictionary()  # model -> its compiled decode step
+
+
+def compiled_step(model):
+    """The model's forward compiled for decode steps, once per model (gpt-fast compiles its
+    decode_one_token the same way). fullgraph: the whole step is one graph, or compiling fails.
+    dynamic: the rows a cache holds are a symbolic size, so one graph serves every step. (The
+    other way, gpt-fast's, reads the whole preallocated buffer under a mask with the position
+    as a tensor: a read that grows with the capacity rather than the rows written, and every
+    mask and check rewritten on tensors. Here the caches stay plain buffers read by length.)"""
+    if model not in _compiled_steps:
+        _compiled_steps[model] = torch.compile(model, fullgraph=True, dynamic=True)
+    return _compiled_steps[model]
+
+
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None):
+def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None, compile=False):
     """Sample max_new_tokens after idx (B, T) with a KV cache per layer (moe.Transformer,
-    hd.HiddenDecoding). The prompt runs as one forward, then one forward per new token."""
+    hd.HiddenDecoding). The prompt runs as one forward, then one forward per new token.
+    compile: the per-token forwards run compiled (compiled_step; the first call compiles, for
+    about a minute on a CPU); the prompt runs eager. Same tokens as eager under greedy decoding,
+    up to float rounding."""
     caches = make_caches(model)
     check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
     check_generator(generator)
+    if compile not in (True, False):
+        raise ValueError(f"compile must be True or False, got {compile!r}")
+    step = compiled_step(model) if compile else model
     B, T = idx.shape
     out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # the tokens, written in place
     logits, _ = model(idx, caches=caches)
     for t in range(T, T + max_new_tokens):
-        out[:, t:t + 1] = sample(logits[:, -1], temperature, sample_top_k, generator)
+        out[:, t:t + 1] = token = sample(logits[:, -1], temperature, sample_top_k, generator)
         if t + 1 < T + max_new_tokens:  # the last token is returned, not fed
-            logits, _ = model(out[:, t:t + 1], caches=caches)
+            logits, _ = step(token, caches=caches)  # a tensor of its own, not a view of out
     return out
 
 

@@ -56,8 +56,13 @@ class ModelConfig:
     expert_hidden:  hidden width of each routed expert and of the shared expert.
     ffn_hidden:     hidden width of the dense SwiGLU MLP (used only when n_experts == 0).
     balance_gamma:  step size of the loss-free balancing update of the router bias.
-    moe_dispatch:   "auto" (grouped matmul where torch offers one for these inputs, else a
-                    loop over experts), "grouped_mm" or "loop".
+    moe_dispatch:   how rows reach their experts (MoE.dispatch). Static shapes, which
+                    torch.compile takes whole: "gather" (each row's chosen experts' weights
+                    gathered, one batched matmul) and "masked" (every expert on every row, two
+                    matmuls, the unchosen weighted 0: top_k / n_experts of its work counts).
+                    Sorted by expert: "grouped_mm" (one grouped matmul) and "loop" (one matmul
+                    per expert). "auto": gather for a decode step's few rows; else masked under
+                    compile, else grouped_mm where torch has it for these inputs, else loop.
     kv_mirror:      U-shaped KV-Mirror: layer n_layer-1-j takes K/V inputs from layer j for
                     j < n_layer // 3. Needs n_layer >= 3.
     norm_eps:       epsilon of every RMSNorm.
@@ -263,6 +268,10 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+GATHER_ROWS = 4  # auto, eager: (token, k) pairs up to which gather beats sorting by expert (bench.py 4h)
+COMPILED_GATHER_ROWS = 128  # auto, compiled: up to a batch-16 n = 4 decode step's pairs (bench.py 4g)
+
+
 class MoE(nn.Module):
     """Sigmoid-routed experts plus one shared expert (DeepSeek-V3 / WeLM).
 
@@ -291,21 +300,41 @@ class MoE(nn.Module):
         idx = torch.topk(scores + self.bias, self.cfg.top_k, dim=-1).indices
         return idx, scores.gather(-1, idx)
 
-    def experts(self, xs, counts):
-        """Run expert e on its slice of xs (rows sorted by expert, counts rows each)."""
-        dev = xs.device.type
-        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else xs.dtype
+    def dispatch(self, N, dt, dev):
+        """The moe_dispatch that runs N rows; "auto" resolved (the crossovers: bench.py 4h)."""
         mode = self.cfg.moe_dispatch
-        if mode == "auto":  # grouped_mm: fp32/bf16/fp16 on CPU (16-byte aligned rows), bf16 on CUDA
-            aligned = all(n * dt.itemsize % 16 == 0 for n in (self.cfg.n_embd, self.cfg.expert_hidden))
-            ok = dt != torch.float64 if dev == "cpu" else dt == torch.bfloat16
-            ok = ok and (dt == torch.bfloat16 or not torch.compiler.is_compiling())  # compiled: bf16 only
-            mode = "grouped_mm" if aligned and ok else "loop"
+        if mode != "auto":
+            return mode
+        if torch.compiler.is_compiling():  # a decode step's rows gather; a training batch runs masked
+            return "gather" if N * self.cfg.top_k <= COMPILED_GATHER_ROWS else "masked"
+        if N * self.cfg.top_k <= GATHER_ROWS:
+            return "gather"
+        aligned = all(n * dt.itemsize % 16 == 0 for n in (self.cfg.n_embd, self.cfg.expert_hidden))
+        ok = dt != torch.float64 if dev == "cpu" else dt == torch.bfloat16  # grouped_mm's dtypes
+        return "grouped_mm" if aligned and ok else "loop"
+
+    def gathered(self, x, idx):
+        """Static shapes: row n runs its k chosen experts as one batched matmul over their
+        gathered weights, (N, k, 1, C) @ (N, k, C, 2I). Returns (N, k, C)."""
+        g, u = (x[:, None, None] @ self.w_gate_up[idx].to(x.dtype)).chunk(2, dim=-1)
+        return ((F.silu(g) * u) @ self.w_down[idx].to(x.dtype)).squeeze(2)
+
+    def masked(self, x, idx, weights):
+        """Static shapes for many rows: every expert on every row as two matmuls, (N, C) @ (C, E*2I)
+        and (N, E*I) @ (E*I, C), each expert's hidden scaled by its weight, 0 where unchosen."""
+        E, C, I = self.w_down.shape[0], x.size(1), self.cfg.expert_hidden
+        h = (x @ self.w_gate_up.to(x.dtype).transpose(0, 1).reshape(C, 2 * E * I)).view(-1, E, 2 * I)
+        g, u = h.chunk(2, dim=-1)
+        combine = torch.zeros(x.size(0), E, dtype=x.dtype, device=x.device).scatter(1, idx, weights.to(x.dtype))
+        act = (F.silu(g) * u * combine[..., None]).reshape(-1, E * I)
+        return act @ self.w_down.to(x.dtype).reshape(E * I, C)
+
+    def sorted_by_expert(self, xs, counts, mode):
+        """xs: the (token, k) rows sorted by expert, counts[e] rows each; expert e on its run."""
         if mode == "grouped_mm":
             offs = counts.cumsum(0).to(torch.int32)
-            h = F.grouped_mm(xs.to(dt), self.w_gate_up.to(dt), offs=offs)
-            g, u = h.chunk(2, dim=-1)
-            return F.grouped_mm((F.silu(g) * u).contiguous(), self.w_down.to(dt), offs=offs)
+            g, u = F.grouped_mm(xs, self.w_gate_up.to(xs.dtype), offs=offs).chunk(2, dim=-1)
+            return F.grouped_mm((F.silu(g) * u).contiguous(), self.w_down.to(xs.dtype), offs=offs)
         outs = []
         for e, xe in enumerate(xs.split(counts.tolist())):
             g, u = (xe @ self.w_gate_up[e]).chunk(2, dim=-1)
@@ -316,16 +345,23 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, C)
         idx, weights = self.route(x)  # (N, k) each
-        counts = torch.bincount(idx.flatten(), minlength=self.cfg.n_experts)
+        counts = idx.new_zeros(self.cfg.n_experts).index_add_(0, idx.flatten(), torch.ones_like(idx.flatten()))
         self.last_load = counts.detach().float()
         if self.training and torch.is_grad_enabled():  # evaluation and sampling don't count
             self.step_load += self.last_load
-        # dispatch: sort the N*k (token, expert) pairs by expert, run each expert on its run
-        order = idx.flatten().argsort(stable=True)
-        token = order // self.cfg.top_k
-        y = self.experts(x[token], counts) * weights.flatten()[order, None]
-        out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
-        return (out + self.shared(x)).view(shape)
+        dev = x.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        mode = self.dispatch(x.size(0), dt, dev)
+        if mode == "gather":
+            y = (self.gathered(x.to(dt), idx) * weights[..., None]).sum(1)
+        elif mode == "masked":
+            y = self.masked(x.to(dt), idx, weights)
+        else:  # sort the N*k (token, expert) pairs by expert, run each expert on its run
+            order = idx.flatten().argsort(stable=True)
+            token = order // self.cfg.top_k
+            ys = self.sorted_by_expert(x[token].to(dt), counts, mode) * weights.flatten()[order, None]
+            y = torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+        return (y.to(x.dtype) + self.shared(x)).view(shape)
 
     @torch.no_grad()
     def update_bias(self, gamma):

@@ -116,7 +116,9 @@ def parser(lab):
     flag(ap, "data", help="train the text suites on this UTF-8 text file instead of Shakespeare")
     flag(ap, "accum", type=int, default=1, help="gradient accumulation micro-steps")
     flag(ap, "muon", action="store_true", help="Muon for 2-D weights in the blocks, AdamW for the rest")
-    flag(ap, "compile", action="store_true", help="torch.compile the models (on CPU it only checks the compile path)")
+    flag(ap, "compile", action=argparse.BooleanOptionalAction, default=None,
+         help="torch.compile the models (fullgraph for the backbone and HD); default: on for CUDA, as nanoGPT, "
+              "off on the CPU, where a run's compiles cost more than they save (bench.py --compile, 4i)")
     flag(ap, "out", default="out", help="folder for results, checkpoints and the token cache")
     flag(ap, "log_every", type=int, default=50, help="steps between log lines")
     flag(ap, "ckpt_every", type=int, default=50, help="steps between checkpoints")
@@ -181,7 +183,7 @@ def parse(argv, lab):
     jobs = a.jobs or (1 if DDP or a.device.startswith("cuda") else max(1, usable_cores() // a.threads))
     return Options(lab, P, preset_name, names, range(a.seed0, a.seed0 + P.seeds),
                    a.suite == "all" or a.smoke or a.rehearse, jobs, out, a.data, a.device, a.threads, a.accum, a.muon,
-                   a.compile, a.rehearse, a.log_every, a.ckpt_every, a.fresh, a.dev,
+                   a.device.startswith("cuda") if a.compile is None else a.compile, a.rehearse, a.log_every, a.ckpt_every, a.fresh, a.dev,
                    *(("dev", 104729) if a.dev else ("val", 7919)))
 
 

@@ -167,7 +167,7 @@ def test_attend_rejects_causal_with_unequal_lengths():
 
 @FAST
 @given(E=st.integers(1, 6), k=st.integers(1, 6), N=st.integers(1, 24),
-       dispatch=st.sampled_from(["loop", "grouped_mm", "auto"]), seed=st.integers(0, 999))
+       dispatch=st.sampled_from(["loop", "grouped_mm", "gather", "masked", "auto"]), seed=st.integers(0, 999))
 def test_moe_equals_per_token_loop(E, k, N, dispatch, seed):
     torch.manual_seed(seed)
     cfg = small_cfg(n_experts=E, top_k=min(k, E), moe_dispatch=dispatch)
@@ -177,6 +177,37 @@ def test_moe_equals_per_token_loop(E, k, N, dispatch, seed):
     m.bias.normal_(std=0.3)  # the bias must steer selection, so give it weight
     x = torch.randn(N, cfg.n_embd)
     torch.testing.assert_close(m(x), moe_reference(m, x), atol=1e-5, rtol=1e-5)
+
+
+@FAST
+@given(E=st.integers(1, 6), k=st.integers(1, 4), B=st.integers(1, 3), T=st.integers(1, 12), seed=st.integers(0, 999),
+       dispatch=st.sampled_from(["gather", "masked"]))
+def test_static_dispatches_equal_the_loop_in_float64_outputs_gradients_and_loads(E, k, B, T, seed, dispatch):
+    """The static-shape dispatches compute what the loop over experts computes: every logit and
+    every gradient to float64 rounding, and the balancing counts (last_load, step_load) exactly."""
+    runs = []
+    for dispatch in ("loop", dispatch):
+        torch.manual_seed(seed)
+        model = Transformer(small_cfg(n_experts=E, top_k=min(k, E), moe_dispatch=dispatch)).double().train()
+        for m in model.moe_layers():
+            m.bias.normal_(std=0.02)  # a bias that steers some choices
+        idx = torch.randint(61, (B, T), generator=torch.Generator().manual_seed(seed))
+        logits, loss = model(idx, idx)
+        loss.backward()
+        runs.append((logits, {n: p.grad for n, p in model.named_parameters()},
+                     model.expert_load(), [m.step_load.clone() for m in model.moe_layers()]))
+    (logits, grads, last, step), (g_logits, g_grads, g_last, g_step) = runs
+    torch.testing.assert_close(g_logits, logits, atol=1e-12, rtol=1e-12)
+    for name in grads:
+        torch.testing.assert_close(g_grads[name], grads[name], atol=1e-12, rtol=1e-12, msg=name)
+    assert torch.equal(g_last, last) and all(torch.equal(a, b) for a, b in zip(g_step, step))
+
+
+def test_auto_dispatch_gathers_a_few_rows_and_sorts_many():
+    m = MoE(small_cfg())
+    assert m.dispatch(moe.GATHER_ROWS // m.cfg.top_k, torch.float32, "cpu") == "gather"
+    assert m.dispatch(moe.GATHER_ROWS // m.cfg.top_k + 1, torch.float32, "cpu") == "grouped_mm"
+    assert m.dispatch(4096, torch.float64, "cpu") == "loop"  # grouped_mm has no float64
 
 
 def test_bias_changes_selection_never_weights():

@@ -980,15 +980,24 @@ def test_every_reported_number_is_the_same_after_a_kill_and_resume(tmp_path, mon
     assert killed and a["summary"] == b["summary"] and a["verdicts"] == b["verdicts"]
 
 
-def test_compile_works_on_cpu_and_matches_eager(tmp_path):
-    """--compile is the only way the compile path runs without a GPU: it must run, and give the
-    eager numbers up to float reordering."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    common = [sys.executable, "train_tiny.py", "--preset", "smoke", "--suite", "moe", "--device", "cpu"]  # headline arms only
+def test_compile_trains_through_the_compiled_models_and_matches_eager(tmp_path, monkeypatch):
+    """--compile trains through torch.compile(model, fullgraph=True) for the backbone and HD, and
+    gives the eager numbers up to float reordering; without the flag nothing is compiled on the
+    CPU. Compiled with aot_eager (dynamo's and autograd's tracing, in seconds): test_compile.py
+    compiles with inductor, as a GPU run does."""
+    real, calls = torch.compile, []
+
+    def compile_traced(model, **kw):
+        calls.append((type(model).__name__, kw.get("fullgraph")))
+        return real(model, **{**kw, "backend": "aot_eager"})
+
+    monkeypatch.setattr(torch, "compile", compile_traced)
+    common = ["--preset", "smoke", "--suite", "moe", "--device", "cpu", "--jobs", "1"]  # headline arms only
     for flag, out in (([], "eager"), (["--compile"], "compiled")):
-        run = subprocess.run(common + flag + ["--out", str(tmp_path / out)], cwd=HERE, env=env,
-                             capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
+        tt.main(common + flag + ["--out", str(tmp_path / out)])
+        if not flag:
+            assert calls == []
+    assert calls and all(c == ("Transformer", True) for c in calls), calls
     eager, compiled = (json.loads((tmp_path / d / "results.json").read_text())["summary"] for d in ("eager", "compiled"))
     assert [(s["arm"], s["metric"]) for s in eager] == [(s["arm"], s["metric"]) for s in compiled]
     for a, b in zip(eager, compiled):

@@ -20,6 +20,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from hd import HiddenDecoding
 from moe import Transformer
 from processes import DDP, MASTER, PROGRESS, RANK, WORLD, average_over_ranks, log
 from tasks import atomic
@@ -166,7 +167,8 @@ class MicroSteps:
             raise SystemExit(f"error: batch {P.batch} does not split into {WORLD} ranks x {run.accum} micro-steps")
         self.autocast = (torch.autocast("cuda", torch.bfloat16) if run.device.startswith("cuda") else
                          torch.autocast("cpu", torch.bfloat16) if run.rehearse else contextlib.nullcontext())
-        self.fwd_model = torch.compile(model) if run.compile else model  # shares the weights
+        whole = isinstance(model, (Transformer, HiddenDecoding))  # TaH's depth loop breaks where routing does
+        self.fwd_model = torch.compile(model, fullgraph=whole) if run.compile else model  # shares the weights
 
     def __call__(self, x, y, rehearsing):
         total = sum(self.micro_step(x, y, m, rehearsing and m == 0) for m in range(self.run.accum))
