@@ -15,6 +15,7 @@ import math
 from dataclasses import fields
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 
 def is_int(v):
@@ -268,3 +269,51 @@ def check_sampling(temperature, sample_top_k, vocab_size):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if sample_top_k is not None and not (is_int(sample_top_k) and 1 <= sample_top_k <= vocab_size):
         raise ValueError(f"sample_top_k must be an int in [1, {vocab_size}], got {sample_top_k!r}")
+
+
+def check_attend(q, k, v, mask):
+    """moe.attend's inputs: q (B, H, Tq, hd), k and v (B, Hkv, Tk, hd) alike, H a multiple of Hkv,
+    and a mask in one of its forms (a boolean tensor broadcastable to (B, H, Tq, Tk))."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        raise ValueError("attend takes q, k, v as 4-D tensors (B, heads, T, head_dim), got shapes "
+                         f"{[tuple(getattr(t, 'shape', ())) for t in (q, k, v)]}")
+    (B, H, Tq, hd), (Bk, Hkv, Tk, hdk) = q.shape, k.shape
+    if k.shape != v.shape or Bk != B or hdk != hd or H % Hkv:
+        raise ValueError(f"attend needs k and v of one shape (B={B}, Hkv, Tk, head_dim={hd}) with Hkv dividing "
+                         f"H={H}; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool:
+            raise ValueError(f"attend's mask must be boolean (True = may attend), got {mask.dtype}")
+        full = (B, H, Tq, Tk)
+        if mask.dim() > 4 or any(m not in (1, f) for m, f in zip(mask.shape[::-1], full[::-1])):
+            raise ValueError(f"attend's mask {tuple(mask.shape)} does not broadcast to (B, H, Tq, Tk) = {full}")
+    elif mask is not None and not isinstance(mask, (str, BlockMask)):
+        raise ValueError(f"attend's mask must be 'causal', None, a boolean tensor or a BlockMask, got "
+                         f"{type(mask).__name__}")
+
+
+def check_kv(k, v, held):
+    """A cache's update(k, v): k and v alike, (B, Hkv, T, hd), and (after the first write) the
+    heads and head width the cache holds."""
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == 4 and k.shape == v.shape):
+        raise ValueError("a cache's update takes k and v of one shape (B, Hkv, T, head_dim), got "
+                         f"{tuple(getattr(k, 'shape', ()))} and {tuple(getattr(v, 'shape', ()))}")
+    if held is not None and (k.size(1), k.size(3)) != (held.size(1), held.size(3)):
+        raise ValueError(f"the cache holds {held.size(1)} heads x {held.size(3)}, this update has "
+                         f"{k.size(1)} x {k.size(3)}: one cache per layer, from generate.make_caches(model)")
+
+
+def check_lookups(symbols, queries, two_hop, three_hop, per_problem):
+    """tasks.Lookups' sizes: a cycle over 2+ symbols, 1+ queries, hop shares that are probabilities."""
+    if not is_int(symbols) or symbols < 2:
+        raise ValueError(f"symbols must be an int >= 2 (a cycle to follow), got {symbols!r}")
+    if not is_int(queries) or queries < 1:
+        raise ValueError(f"queries must be an int >= 1 per problem, got {queries!r}")
+    for name, p in (("two_hop", two_hop), ("three_hop", three_hop)):
+        if not is_num(p) or not 0 <= p <= 1:
+            raise ValueError(f"{name} must be a probability in [0, 1], got {p!r}")
+    if two_hop + three_hop > 1:
+        raise ValueError(f"two_hop + three_hop must be at most 1 (the rest are one-hop queries), got "
+                         f"{two_hop} + {three_hop}")
+    if per_problem is not True and per_problem is not False:
+        raise ValueError(f"per_problem must be True or False, got {per_problem!r}")

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from checks import check_generation, check_generator, check_length, check_logits, check_sampling, is_int
+from checks import check_generation, check_generator, check_kv, check_length, check_logits, check_sampling, is_int
 from hd import HiddenDecoding
 from moe import Transformer, upcast
 from tah import ThinkAtHard
@@ -49,19 +49,22 @@ class KVCache:
     def __len__(self):
         return self.len  # a Python int: reading it never waits on the device
 
-    def check_room(self, k, T):
-        """Before anything is written: the batch the cache was started with, and room for T rows."""
+    def check_room(self, k, v):
+        """Before anything is written: k and v of the shape held, the batch the cache was started
+        with, and room for their T rows. Returns T."""
+        check_kv(k, v, self.k)
+        T = k.size(2)
         if self.k is not None and k.size(0) != self.k.size(0):
             raise ValueError(f"the cache holds {self.k.size(0)} batch rows, this step has {k.size(0)}: "
                              "continue a cache with the batch it was started with")
         if self.len + T > self.capacity:
             raise ValueError(f"KV cache full: it holds {self.capacity} rows, {self.len} are written and "
                              f"{T} more do not fit")
+        return T
 
     def update(self, k, v):
         """Append k, v (B, Hkv, T, hd); return the K and V of every row so far."""
-        T = k.size(2)
-        self.check_room(k, T)
+        T = self.check_room(k, v)
         if self.k is None:
             self.k = k.new_zeros(*k.shape[:2], self.capacity, k.size(3))
             self.v = v.new_zeros(*v.shape[:2], self.capacity, v.size(3))
@@ -85,8 +88,7 @@ class WindowCache(KVCache):
         self.window = window
 
     def update(self, k, v):
-        T = k.size(2)
-        self.check_room(k, T)
+        T = self.check_room(k, v)
         if self.k is None:
             self.k = k.new_zeros(*k.shape[:2], self.window, k.size(3))
             self.v = v.new_zeros(*v.shape[:2], self.window, v.size(3))
@@ -219,7 +221,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, gen
     caches = make_caches(model)
     check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
     check_generator(generator)
-    if compile not in (True, False):
+    if compile is not True and compile is not False:
         raise ValueError(f"compile must be True or False, got {compile!r}")
     step = compiled_step(model) if compile else model
     B, T = idx.shape

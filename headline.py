@@ -355,9 +355,14 @@ class TokenRouter:
     depths, and keeps them at evaluation; it has no decider to train."""
 
     def __init__(self, task):
+        if not callable(getattr(task, "sometimes_hard", None)):
+            raise ValueError(f"TokenRouter reads a task's token kinds (sometimes_hard, as tasks.Lookups has), got "
+                             f"{type(task).__name__}")
         self.task = task
 
     def __call__(self, x):
+        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"TokenRouter routes token ids (an integer tensor), got {getattr(x, 'dtype', type(x))}")
         return 1 + self.task.sometimes_hard(x).long()
 
     def stage1_loss(self, model, x, y):

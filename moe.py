@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from checks import check_caches, check_config, check_length, check_tokens
+from checks import check_attend, check_caches, check_config, check_length, check_tokens
 
 # -----------------------------------------------------------------------------
 # Config
@@ -207,6 +207,7 @@ def attend(q, k, v, mask):
     key (a decode step); the flex path's flex_attention BlockMask.
     Rows that see no key give 0 on every path. attention_weights gives its weights.
     """
+    check_attend(q, k, v, mask)
     gqa = q.size(1) != k.size(1)
     if isinstance(mask, BlockMask):
         global _flex_compiled

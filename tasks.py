@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from checks import check_lookups
+
 
 CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
 
@@ -235,6 +237,7 @@ class Lookups:
     has read the header, does (TaH §3.3's premise for its decider)."""
 
     def __init__(self, symbols, queries, two_hop, three_hop=0.0, per_problem=False):
+        check_lookups(symbols, queries, two_hop, three_hop, per_problem)
         S = self.symbols = symbols
         self.queries, self.two_hop, self.three_hop, self.per_problem = queries, two_hop, three_hop, per_problem
         self.max_hops = 3 if three_hop > 0 else 2
