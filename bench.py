@@ -639,12 +639,14 @@ def cuda_section(L, repeats):
 def main(argv=None):
     ap = argparse.ArgumentParser(description="cost of each mechanism, as measured ratios")
     ap.add_argument("--quick", action="store_true", help="small sizes, seconds (CI)")
-    ap.add_argument("--repeats", type=int, help="timed repeats per arm (median)")
+    ap.add_argument("--repeats", type=int, help="timed repeats per arm, their median reported (default: 15; 3 with --quick)")
     ap.add_argument("--compile", action="store_true",
                     help="only compiled vs eager: 4g, the decode step, and 4i, an HD training step (a compile per row)")
     ap.add_argument("--cuda", action="store_true",
                     help="only the sections a GPU answers: HD serving on CUDA and the CUDA section (gpu_check.sh)")
     args = ap.parse_args(argv)
+    if args.compile and args.cuda:
+        ap.error("--compile and --cuda each run their own sections: give one")
     if args.cuda and not torch.cuda.is_available():
         ap.error("--cuda needs a CUDA GPU")
     if args.repeats is not None and args.repeats < 1:

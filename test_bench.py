@@ -1,6 +1,7 @@
 """bench.py --quick runs every CPU section end to end (the numbers are not asserted: timing
 belongs in a benchmark, not a test)."""
 
+import pytest
 import torch
 
 import bench
@@ -31,3 +32,15 @@ def test_compile_sections_trace_one_graph_per_row_and_compare_tokens(capfd, monk
     rows = [r for r in out.splitlines() if r.startswith("| 1 | 1 | 8 |") or r.startswith("| 4 | 1 | 8 |")]
     assert len(rows) == 2 and all(r.split(" | ")[4] == "1" and r.endswith("| yes |") for r in rows), rows
 
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--repeats", "two"], "invalid int value"),
+    (["--compile", "--cuda"], "give one"),
+    (["--fast"], "unrecognized arguments"),
+])
+def test_bench_flags_fail_with_one_line_naming_the_flag(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
