@@ -26,8 +26,8 @@ def tiny(kind, **kw):
     return HiddenDecoding(HDConfig(**{**TINY, "n_streams": 2, **kw}))
 
 
-MODELS = [("moe", {}), ("hd", dict(layout="IFL")), ("hd", dict(layout="LIF")),
-          ("hd", dict(layout="FLI", mirror_skip=False)), ("hd", dict(layout="IFI", shared_kv=True))]
+MODELS = [("moe", {}), ("hd", dict(layout="IFL")), ("hd", dict(layout="FLI")),  # the skip's mirrored layer: L, I
+          ("hd", dict(layout="LIF", mirror_skip=False)), ("hd", dict(layout="IFI", shared_kv=True))]
 
 
 def decode(model, step, prompt, steps):
@@ -65,7 +65,7 @@ def test_the_cached_decode_step_is_one_graph_for_twenty_steps(kind, kw):
         assert torch.equal(tokens, decode(model, model, prompt, 20))
 
 
-@pytest.mark.parametrize("kind, kw", MODELS[:3])
+@pytest.mark.parametrize("kind, kw", MODELS[:2])
 def test_the_training_forward_and_backward_trace_whole_and_equal_eager(kind, kw):
     """The training step (forward, loss, backward) traces as one graph through aot_autograd,
     with eager's loss, gradients and balancing counts."""
