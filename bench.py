@@ -585,7 +585,8 @@ def moe_dispatch_rows(rows_list, device, repeats, width=64, E=8, k=2):
         with torch.no_grad():
             r = timeit({d: (lambda m=m: m(x)) for d, m in ms.items()}, repeats, device)
         auto = MoE(ModelConfig(n_embd=width, expert_hidden=width, n_experts=E, top_k=k))
-        rows.append([N, N * k, *(f"{r[d] * 1e6:.0f}" for d in ms), min(r, key=r.get), auto.dispatch(N, x.dtype, device)])
+        rows.append([N, N * k, *(f"{r[d] * 1e6:.0f}" for d in ms), min(r, key=r.get),
+                     auto.dispatch(N, x.dtype, device)])
     show(f"4h. The MoE layer alone ({E} experts, top-{k}, width {width}, forward): time per dispatch "
          f"(eager, auto gathers up to moe.GATHER_ROWS = {GATHER_ROWS} (token, k) pairs)", rows,
          ["rows", "(token, k) pairs", "gather (us)", "masked (us)", "grouped_mm (us)", "loop (us)", "fastest",
@@ -639,7 +640,8 @@ def cuda_section(L, repeats):
 def main(argv=None):
     ap = argparse.ArgumentParser(description="cost of each mechanism, as measured ratios")
     ap.add_argument("--quick", action="store_true", help="small sizes, seconds (CI)")
-    ap.add_argument("--repeats", type=int, help="timed repeats per arm, their median reported (default: 15; 3 with --quick)")
+    ap.add_argument("--repeats", type=int,
+                    help="timed repeats per arm, their median reported (default: 15; 3 with --quick)")
     ap.add_argument("--compile", action="store_true",
                     help="only compiled vs eager: 4g, the decode step, and 4i, an HD training step (a compile per row)")
     ap.add_argument("--cuda", action="store_true",

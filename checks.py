@@ -116,9 +116,9 @@ def check_config(cfg):
 def check_tokens(idx, targets, vocab_size, values=None):
     """idx (B, T) int64/int32 ids in [0, vocab_size), B, T >= 1; targets None or int64 ids of
     idx's shape in [0, vocab_size), -1 = ignored, at least one kept. values: check the ids
-    themselves (None: only on CPU, where it is free, and not under torch.compile). On CUDA an id out of range still stops at
-    the embedding's own device-side check; all-ignored targets give a nan loss there, which the
-    trainer stops on."""
+    themselves (None: only on CPU, where it is free, and never under torch.compile). On CUDA,
+    and compiled, an id out of range still stops at the embedding's own check; all-ignored
+    targets give a nan loss there, which the trainer stops on."""
     if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"idx must be an integer tensor of token ids (int64 or int32, as nn.Embedding takes), "
                          f"got {getattr(idx, 'dtype', type(idx))}")

@@ -323,7 +323,7 @@ class MoE(nn.Module):
     def masked(self, x, idx, weights):
         """Static shapes for many rows: every expert on every row as two matmuls, (N, C) @ (C, E*2I)
         and (N, E*I) @ (E*I, C), each expert's hidden scaled by its weight, 0 where unchosen."""
-        E, C, I = self.w_down.shape[0], x.size(1), self.cfg.expert_hidden
+        E, C, I = self.cfg.n_experts, self.cfg.n_embd, self.cfg.expert_hidden
         h = (x @ self.w_gate_up.to(x.dtype).transpose(0, 1).reshape(C, 2 * E * I)).view(-1, E, 2 * I)
         g, u = h.chunk(2, dim=-1)
         combine = torch.zeros(x.size(0), E, dtype=x.dtype, device=x.device).scatter(1, idx, weights.to(x.dtype))

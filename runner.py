@@ -183,7 +183,8 @@ def parse(argv, lab):
     jobs = a.jobs or (1 if DDP or a.device.startswith("cuda") else max(1, usable_cores() // a.threads))
     return Options(lab, P, preset_name, names, range(a.seed0, a.seed0 + P.seeds),
                    a.suite == "all" or a.smoke or a.rehearse, jobs, out, a.data, a.device, a.threads, a.accum, a.muon,
-                   a.device.startswith("cuda") if a.compile is None else a.compile, a.rehearse, a.log_every, a.ckpt_every, a.fresh, a.dev,
+                   a.device.startswith("cuda") if a.compile is None else a.compile,  # --compile's default
+                   a.rehearse, a.log_every, a.ckpt_every, a.fresh, a.dev,
                    *(("dev", 104729) if a.dev else ("val", 7919)))
 
 
