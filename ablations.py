@@ -54,6 +54,10 @@ def hd_scratch_arms():
     return [(f"n={n} from scratch", n) for n in hl.HD_CONT_NS]
 
 
+def objective_arm(objective):
+    return f"objective {objective}"
+
+
 def hd_continued_ablation_arms(P):
     """The ablations as the paper runs them (HD Tables 4-6: continued pretraining), each an n=2
     model expanded from the n=1 checkpoint and continued for P.hd_cont_iters steps, as (effect,
@@ -63,7 +67,7 @@ def hd_continued_ablation_arms(P):
     layouts = [(ALL_FULL, "F" * L), (FEW_FULL, P.layout), (ONE_FULL, "I" * (L - 1) + "F"), (ALL_INTRA, "I" * L)]
     return ([(HD_LAYOUTS_CONT, NO_EXPANSION, 1)]
             + [(HD_LAYOUTS_CONT, arm, 2 if lay == P.layout else dict(layout=lay)) for arm, lay in layouts]
-            + [(HD_OBJECTIVE_CONT, f"objective {o}", 2 if o == "final" else dict(objective=o))
+            + [(HD_OBJECTIVE_CONT, objective_arm(o), 2 if o == "final" else dict(objective=o))
                for o in ("final", "all", "sum")]
             + [(HD_KV_CONT, PER_STREAM_KV, 2), (HD_KV_CONT, SHARED_KV, dict(shared_kv=True))])
 
@@ -95,9 +99,10 @@ HD_ABLATION_CLAIMS = [
           "loss", -1),
     Claim("HD layouts: the default few-full (SF) beats one full layer", HD_LAYOUTS_CONT, FEW_FULL, ONE_FULL, "loss", -1),
     Claim("HD layouts: all-full beats few-full (the paper: by little)", HD_LAYOUTS_CONT, ALL_FULL, FEW_FULL, "loss", -1),
-    Claim("HD objectives: final-stream loss beats sum", HD_OBJECTIVE_CONT, "objective final", "objective sum", "loss",
-          -1),
-    Claim("HD objectives: sum beats all-token loss", HD_OBJECTIVE_CONT, "objective sum", "objective all", "loss", -1),
+    Claim("HD objectives: final-stream loss beats sum", HD_OBJECTIVE_CONT, objective_arm("final"),
+          objective_arm("sum"), "loss", -1),
+    Claim("HD objectives: sum beats all-token loss", HD_OBJECTIVE_CONT, objective_arm("sum"), objective_arm("all"),
+          "loss", -1),
     Claim("HD: per-stream KV beats shared KV", HD_KV_CONT, PER_STREAM_KV, SHARED_KV, "loss", -1),
 ]
 

@@ -12,8 +12,8 @@ Think-at-Hard (arXiv 2511.08577, §5, Figs. 5 and 7):
   - recording_attention gives the duo-causal attention weights of a deeper query.
 
 Each probe runs on a model as it is, without training; train_tiny.py runs them on the models its
-HD and TaH suites have just trained. The attention weights are read from moe.Attention, which
-records them (moe.attention_weights, beside moe.attend) for the length of a `with` block.
+HD and TaH suites have just trained. The attention weights are recomputed from each
+moe.Attention call's queries, keys and mask (moe.Attention.record) for the length of a `with` block.
 """
 
 import math
@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 
 import moe
 from hd import HiddenDecoding
@@ -32,15 +33,30 @@ from tah import DepthKV
 # Attention weights, from any model built on moe.py
 
 
+def attention_weights(q, k, mask):
+    """softmax(q k^T / sqrt(hd)) under mask, as attend computes it: q (B, H, Tq, hd), k (B, Hkv,
+    Tk, hd) -> (B, H, Tq, Tk), float32. A query head h reads key head h // (H / Hkv) (GQA, as
+    SDPA's enable_gqa); a row that sees no key weighs every key 0."""
+    if isinstance(mask, BlockMask):
+        raise ValueError("attention weights are read on the dense paths: give a boolean mask, not a BlockMask")
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.size(-1))
+    if isinstance(mask, str):  # "causal"
+        mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)
+
+
 @contextmanager
 def recording_attention(model):
     """Inside the block, every attention call of `model` also appends its weights (B, H, Tq, Tk)
-    to the list it yields, in call order (moe.Attention.record; moe.attend computes them): one per
+    to the list it yields, in call order (moe.Attention.record calls attention_weights): one per
     layer per pass (one per layer for HD's dense path; layer i of TaH's pass d is entry
     d * n_layer + i). Only masks as tensors or "causal"."""
     calls, layers = [], [m for m in model.modules() if isinstance(m, moe.Attention)]
     for a in layers:
-        a.record = calls
+        a.record = lambda q, k, mask: calls.append(attention_weights(q, k, mask))
     try:
         yield calls
     finally:
@@ -149,7 +165,7 @@ def stream_line(model, x, decode, most=12):
     states, _ = stream_states(model, x[None].to(next(model.parameters()).device))
     p, top = head_probes(model, states[-1])[2][0].max(-1)  # over (T, n, V)
     n = model.cfg.n_streams
-    lines = [f"| input | next | " + " | ".join(stream_name(k, n) for k in range(n)) + " |", "|---" * (n + 2) + "|"]
+    lines = ["| input | next | " + " | ".join(stream_name(k, n) for k in range(n)) + " |", "|---" * (n + 2) + "|"]
     for i in range(a, min(b, a + most)):
         tops = " | ".join(f"{cell(decode([top[i, k].item()]))} {p[i, k].item():.2f}" for k in range(n))
         lines.append(f"| {cell(text[i])} | {cell(text[i + 1])} | {tops} |")

@@ -1,25 +1,18 @@
 """
-The backbone: a small WeLM-style Mixture-of-Experts transformer with KV-Mirror.
+The backbone: a small WeLM-style Mixture-of-Experts transformer with KV-Mirror, after WeLM's blog
+post "Building effective sparse MoE models with moderate resources" (WeChat AI) and its public
+inference code:
 
-Follows the WeLM blog post "Building effective sparse MoE models with moderate resources"
-(WeChat AI), with details from WeLM's public inference code:
-
-- attention: grouped-query attention with more query heads than usual, a head-wise sigmoid
-  output gate computed from the attention input (Qiu et al. 2025), KNorm (RMSNorm over
-  head_dim on keys only) and partial RoPE (a fraction of each head's dims is rotated);
-- FFN: sigmoid router, top-k chosen by score + bias, outputs weighted by the plain scores,
-  one always-on shared expert, loss-free balancing of the bias (DeepSeek-V3 §2.1.2);
-  `n_experts=0` gives a dense SwiGLU MLP instead;
+- attention: grouped-query attention with many query heads, a head-wise sigmoid output gate
+  (Qiu et al. 2025), KNorm (RMSNorm over head_dim on keys only) and partial RoPE;
+- FFN: sigmoid router, top-k by score + bias, outputs weighted by the plain scores, one shared
+  expert, loss-free balancing of the bias (DeepSeek-V3 §2.1.2); `n_experts=0`: a dense SwiGLU;
 - KV-Mirror (U-shape): the last third of the layers compute their keys and values from the
   normalized attention input saved by the first third, with their own projections.
 
-hd.py and tah.py reuse `Block`, `attend`, `LayerPlan` and `Transformer.run_blocks` as they are: every
-attention call takes "causal", a dense boolean mask built from a `mask_mod`, or (CUDA) a
-flex_attention BlockMask. Decoding with a KV cache lives in generate.py; a forward reads a
-cache through two calls only, `len(cache)` (rows held) and `cache.update(k, v)` (append, and
-get back every row's K and V). Input checks live in checks.py.
-
-Run `python moe.py` for a small demo: forward, loss, expert loads, a greedy continuation.
+hd.py and tah.py reuse `Block`, `attend`, `LayerPlan` and `Transformer.run_blocks`. A forward
+reads a KV cache (generate.py) through `len(cache)` and `cache.update(k, v)` only. Input checks
+live in checks.py. `python moe.py`: forward, loss, expert loads, a greedy continuation.
 """
 
 import math
@@ -48,23 +41,17 @@ class ModelConfig:
     n_head:         query heads. WeLM uses 3x the usual count (n_head * head_dim = 3 * n_embd).
     n_kv_head:      key/value heads (grouped-query attention); must divide n_head.
     head_dim:       width of one head; independent of n_embd, as in WeLM.
-    rope_fraction:  fraction of each head's dims rotated by RoPE, in (0, 1]; the rest carry no
-                    position (WeLM: 64 of 256 = 0.25).
+    rope_fraction:  fraction of each head's dims rotated by RoPE, in (0, 1] (WeLM: 64 of 256).
     rope_base:      RoPE frequency base.
     n_experts:      routed experts per FFN; 0 replaces the MoE with a dense SwiGLU MLP.
     top_k:          routed experts chosen per token (1 <= top_k <= n_experts).
     expert_hidden:  hidden width of each routed expert and of the shared expert.
     ffn_hidden:     hidden width of the dense SwiGLU MLP (used only when n_experts == 0).
     balance_gamma:  step size of the loss-free balancing update of the router bias.
-    moe_dispatch:   how rows reach their experts (MoE.dispatch). Static shapes, which
-                    torch.compile takes whole: "gather" (each row's chosen experts' weights
-                    gathered, one batched matmul) and "masked" (every expert on every row, two
-                    matmuls, the unchosen weighted 0: top_k / n_experts of its work counts).
-                    Sorted by expert: "grouped_mm" (one grouped matmul) and "loop" (one matmul
-                    per expert). "auto": gather for a decode step's few rows; else masked under
-                    compile, else grouped_mm where torch has it for these inputs, else loop.
-    kv_mirror:      U-shaped KV-Mirror: layer n_layer-1-j takes K/V inputs from layer j for
-                    j < n_layer // 3. Needs n_layer >= 3.
+    moe_dispatch:   how rows reach their experts: "gather", "masked" (static shapes, which
+                    torch.compile takes whole), "grouped_mm", "loop" (sorted by expert), or
+                    "auto" (MoE.dispatch).
+    kv_mirror:      KV-Mirror: layer n_layer-1-j takes K/V inputs from layer j < n_layer // 3.
     norm_eps:       epsilon of every RMSNorm.
     """
 
@@ -95,8 +82,7 @@ class ModelConfig:
 
     @property
     def mirrored(self):
-        """KV-Mirror's consumer layers: the last n_layer // 3 (none without kv_mirror). hd.py's
-        final-stream skip starts at the first of them."""
+        """KV-Mirror's consumers, the last n_layer // 3 layers (hd.py's final-stream skip's start)."""
         return range(self.n_layer - self.n_layer // 3 if self.kv_mirror else self.n_layer, self.n_layer)
 
     def mirror_source(self, layer: int):
@@ -114,11 +100,8 @@ def upcast(t):
 
 
 def apply_rope(x, pos, rope_dim, base):
-    """Rotate the first rope_dim dims of x (..., T, hd) by position; pass the rest through.
-
-    pos: (T,) or (B, T) integer positions. NeoX layout: dim i pairs with dim i + rope_dim/2.
-    (WeLM rotates the trailing dims; that differs only by a fixed permutation of head dims.)
-    """
+    """Rotate the first rope_dim dims of x (..., T, hd) by pos, (T,) or (B, T); pass the rest. NeoX
+    layout: dim i pairs with i + rope_dim/2 (WeLM rotates the trailing dims: a fixed permutation)."""
     half = rope_dim // 2
     dt = upcast(x).dtype  # the angles in float32 at least, in float64 for a float64 model
     inv_freq = base ** (-torch.arange(half, device=x.device, dtype=dt) / half)
@@ -142,7 +125,7 @@ class Attention(nn.Module):
         self.gate_proj = nn.Linear(cfg.n_embd, cfg.n_head, bias=False)  # WeLM: one gate per head
         self.o_proj = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
         self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps)  # KNorm: keys only, shared over heads
-        self.record = None  # a list: each call appends its attention weights (inside.recording_attention)
+        self.record = None  # a function of (q, k, mask), called before attend (inside.recording_attention)
 
     def project_kv(self, u, pos):
         """K, V (B, Hkv, T, hd) of normalized inputs u (B, T, C): projection -> KNorm -> RoPE."""
@@ -153,21 +136,17 @@ class Attention(nn.Module):
         return k, v
 
     def forward(self, u, pos, mask, kv_u=None, kv_pos=None, cache=None):
-        """u: normalized input (B, T, C) at positions pos; returns (B, T, C).
-
-        kv_u/kv_pos: where keys and values come from instead of u/pos: the source layer's
-        normalized input under KV-Mirror (and, in hd.py's final-stream skip, more rows than u).
-        cache: anything with update(k, v) -> the K, V of every row so far (generate.KVCache);
-        the new K/V are appended and attention reads every row it returns.
-        """
+        """u: normalized input (B, T, C) at positions pos -> (B, T, C). kv_u/kv_pos: where K and V
+        come from instead (KV-Mirror's source input; in hd.py's final-stream skip, more rows than u).
+        cache: update(k, v) appends and returns every row's K and V so far (generate.KVCache)."""
         B, T, _ = u.shape
         q = self.q_proj(u).view(B, T, self.cfg.n_head, -1).transpose(1, 2)  # (B, H, T, hd)
         q = apply_rope(q, pos, self.cfg.rope_dim, self.cfg.rope_base)
         k, v = self.project_kv(u if kv_u is None else kv_u, pos if kv_pos is None else kv_pos)
         if cache is not None:
             k, v = cache.update(k, v)
-        if self.record is not None:  # inside.recording_attention reads the weights
-            self.record.append(attention_weights(q, k, mask))
+        if self.record is not None:
+            self.record(q, k, mask)
         y = attend(q, k, v, mask)  # (B, H, T, hd)
         y = y * torch.sigmoid(self.gate_proj(u)).transpose(1, 2)[..., None]  # head-wise gate
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -186,9 +165,8 @@ def causal_after(start, T, device):
     """The causal mask of T new rows after `start` cached ones (cached decoding)."""
     if start == 0:
         return "causal"
-    if T == 1:  # a single new row sees every cached row: no mask to build
-        return None
-    return dense_mask(causal, torch.arange(start, start + T, device=device), torch.arange(start + T, device=device))
+    new, every = torch.arange(start, start + T, device=device), torch.arange(start + T, device=device)
+    return None if T == 1 else dense_mask(causal, new, every)  # one new row sees every cached row
 
 
 def dense_mask(mask_mod, q_idx, kv_idx):
@@ -200,13 +178,10 @@ _flex_compiled = None
 
 
 def attend(q, k, v, mask):
-    """Scaled dot-product attention, q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd) -> (B, H, Tq, hd).
-
-    mask, one form per path: "causal" (Tq == Tk: SDPA's own causal kernel, FlashAttention on
-    CUDA); the dense path's boolean tensor broadcastable to (B, H, Tq, Tk), or None for every
-    key (a decode step); the flex path's flex_attention BlockMask.
-    Rows that see no key give 0 on every path. attention_weights gives its weights.
-    """
+    """Scaled dot-product attention, q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd) -> (B, H, Tq, hd). The
+    mask, one form per path: "causal" (Tq == Tk: SDPA's causal kernel, FlashAttention on CUDA);
+    the dense path's boolean tensor broadcastable to (B, H, Tq, Tk), or None (every key: a decode
+    step); the flex path's BlockMask. A row that sees no key gives 0 on every path."""
     check_attend(q, k, v, mask)
     gqa = q.size(1) != k.size(1)
     if isinstance(mask, BlockMask):
@@ -227,28 +202,11 @@ def attend(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-def attention_weights(q, k, mask):
-    """softmax(q k^T / sqrt(hd)) under mask, as attend computes it: q (B, H, Tq, hd), k (B, Hkv,
-    Tk, hd) -> (B, H, Tq, Tk), float32. A query head h reads key head h // (H / Hkv) (GQA, as
-    SDPA's enable_gqa); a row that sees no key weighs every key 0."""
-    if isinstance(mask, BlockMask):
-        raise ValueError("attention weights are read on the dense paths: give a boolean mask, not a BlockMask")
-    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
-    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.size(-1))
-    if isinstance(mask, str):  # "causal"
-        mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1).nan_to_num(0.0)
-
-
 def attend_folded(q, k, v, mask):
-    """GQA with the G query heads of each K/V head run as G * Tq query rows of that one head
-    (the mask, one row per query and shared by the heads, repeated per head): each K/V row is
-    read once for its group, where SDPA's enable_gqa reads it once per query head on the CPU.
-    Exact. It pays while the rows fit one query tile of the CPU kernel (32)."""
-    B, H, Tq, hd = q.shape
-    G = H // k.size(1)
+    """Exact GQA with each K/V head's G query heads run as G * Tq rows of that head (the mask
+    repeated per head): a K/V row is read once per group, where SDPA's CPU enable_gqa reads it
+    once per query head. It pays while the rows fit one CPU query tile (32)."""
+    (B, H, Tq, hd), G = q.shape, q.size(1) // k.size(1)
     mask = None if mask is None else mask.repeat(*(1,) * (mask.dim() - 2), G, 1)
     y = F.scaled_dot_product_attention(q.reshape(B, H // G, G * Tq, hd), k, v, attn_mask=mask)
     return y.view(B, H, Tq, hd)
@@ -302,7 +260,8 @@ class MoE(nn.Module):
         return idx, scores.gather(-1, idx)
 
     def dispatch(self, N, dt, dev):
-        """The moe_dispatch that runs N rows; "auto" resolved (the crossovers: bench.py 4h)."""
+        """The moe_dispatch that runs N rows. "auto": gather for a decode step's few rows; else masked
+        under compile, else grouped_mm where torch has it for these inputs, else loop (bench.py 4h)."""
         mode = self.cfg.moe_dispatch
         if mode != "auto":
             return mode
@@ -366,11 +325,8 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def update_bias(self, gamma):
-        """Loss-free balancing (DeepSeek-V3 §2.1.2): b += gamma * sign(mean_load - load).
-
-        load counts selections over the whole step (every micro-step since the last call),
-        summed over DDP ranks so every rank applies the same update.
-        """
+        """Loss-free balancing (DeepSeek-V3 §2.1.2): b += gamma * sign(mean_load - load), load the
+        step's selections (every micro-step since the last call) summed over DDP ranks."""
         load = self.step_load.clone()
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(load)
@@ -384,8 +340,7 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block. Returns the new residual x and u, its normalized attention input, which
-    a KV-Mirror source saves for its consumer."""
+    """Pre-norm block -> the new residual x and u, the normalized attention input (for KV-Mirror)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -404,9 +359,8 @@ class Block(nn.Module):
 
 @dataclass
 class LayerPlan:
-    """How one block runs in a forward, fixed before the blocks run: its query positions, its
-    mask (one form per attention path, see attend) and its cache. hd.py's plan adds the stream
-    fold and the final-stream skip."""
+    """How one block runs, fixed before the loop: query positions, mask (one form per attention
+    path, see attend) and cache. hd.py's plan adds the stream fold and the final-stream skip."""
     pos: torch.Tensor
     mask: object
     cache: object = None
@@ -436,12 +390,9 @@ class Transformer(nn.Module):
             nn.init.normal_(module.w_gate_up, std=0.02)
 
     def run_blocks(self, x, plans, states=None):
-        """Run the blocks over the residual x in a plain loop, block i as plans[i] says (a
-        LayerPlan, built before the loop); `states`, a list, gets each block's output.
-
-        KV-Mirror bookkeeping lives here once: a source layer's u is kept (not detached, so
-        gradients reach the source) and handed to its consumer as kv_u.
-        """
+        """The blocks in a plain loop, block i as plans[i] (a LayerPlan) says; `states`, a list,
+        gets each block's output. KV-Mirror's bookkeeping, once: a source layer's u is kept (not
+        detached: gradients reach the source) and handed to its consumer as kv_u."""
         saved = {}
         for i, (block, plan) in enumerate(zip(self.blocks, plans, strict=True)):
             kv_u = saved.pop(block.mirror_source) if block.mirror_source is not None else None
@@ -490,17 +441,15 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     cfg = ModelConfig()
     model = Transformer(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"config: {cfg}")
-    print(f"parameters: {n_params / 1e6:.2f}M; KV-Mirror pairs (source -> consumer): "
-          f"{[(b.mirror_source, i) for i, b in enumerate(model.blocks) if b.mirror_source is not None]}")
+    pairs = [(b.mirror_source, i) for i, b in enumerate(model.blocks) if b.mirror_source is not None]
+    print(f"config: {cfg}\nparameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M; "
+          f"KV-Mirror (source -> consumer): {pairs}")
     idx = torch.randint(cfg.vocab_size, (2, 32))
     logits, loss = model(idx[:, :-1], idx[:, 1:])
-    print(f"forward: logits {tuple(logits.shape)}, loss {loss.item():.4f} (ln V = {math.log(cfg.vocab_size):.4f})")
-    load = model.expert_load()
-    print(f"expert load per layer (tokens x top_k = {idx[:, :-1].numel() * cfg.top_k} selections), max/mean:")
-    for i, row in enumerate(load):
-        print(f"  moe layer {i}: {row.int().tolist()}  max/mean {(row.max() / row.mean()).item():.2f}")
+    print(f"untrained forward: logits {tuple(logits.shape)}, loss {loss.item():.4f} "
+          f"(ln V = {math.log(cfg.vocab_size):.4f}, a uniform guess)")
+    for i, row in enumerate(model.expert_load()):  # 62 tokens x top_k selections per layer
+        print(f"expert load, moe layer {i}: {row.int().tolist()}  max/mean {(row.max() / row.mean()).item():.2f}")
     out = idx[:1, :8]
     with torch.no_grad():  # greedy, one full forward per token (generate.py decodes with a KV cache)
         for _ in range(16):

@@ -12,8 +12,8 @@ from hypothesis import given, settings, strategies as st
 import moe
 import report
 from hd import HDConfig, HiddenDecoding
-from inside import (OUTCOMES, entropy, head_probes, iteration_outcomes, recording_attention, reference_copy,
-                    stream_cosine, stream_mass, stream_states, tah_trace)
+from inside import (OUTCOMES, attention_weights, entropy, head_probes, iteration_outcomes, recording_attention,
+                    reference_copy, stream_cosine, stream_mass, stream_states, tah_trace)
 from tah import TaHConfig, ThinkAtHard
 
 FAST = settings(max_examples=20, deadline=None)
@@ -93,7 +93,7 @@ def test_recorded_attention_reproduces_each_layer_output():
     vv = v.repeat_interleave(2, dim=1)
     band = torch.ones(6, 6, dtype=torch.bool).tril() & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)
     for mask in ("causal", band, None):
-        y, w = moe.attend(q, k, v, mask), moe.attention_weights(q, k, mask)
+        y, w = moe.attend(q, k, v, mask), attention_weights(q, k, mask)
         torch.testing.assert_close(w @ vv, y, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 6))
 
