@@ -55,13 +55,10 @@ class HDConfig(ModelConfig):
     shared_kv:   PHD-like control (HD §5.2): in I layers every stream reads one shared per-token
                  K/V for earlier tokens (see `shared_intra`) instead of its own stream's.
     mirror_skip: KV-mirror final-stream skip (HD §3.1): mirrored layers run only final-stream
-                 rows. None = on where exact (objective "final" with kv_mirror). Exact for
-                 every logit and gradient; not for loss-free balancing: under the skip a
-                 mirrored layer's router counts only the final-stream rows (the rows that reach
-                 the loss), without it also the other streams' rows there, whose outputs reach
-                 nothing. The two trainings' router biases therefore drift apart. This project
-                 keeps the skip's counts: the loads the skipped rows would have produced are not
-                 computed, and balancing the experts for rows that feed no output buys nothing.
+                 rows. None = on where exact (objective "final" with kv_mirror). Exact for every
+                 logit and gradient, not for loss-free balancing: a skipped row's router load
+                 is not counted (its output reaches nothing), so router biases drift from a
+                 training without the skip.
     attn_impl:   "fast" (F: causal SDPA; I: streams folded into the batch; L and shared-KV I:
                  flex BlockMask on CUDA, dense mask elsewhere), "dense" (every layer a dense
                  mask: the reference) or "flex" (every layer a BlockMask; CPU: forward only).
@@ -84,8 +81,7 @@ class HDConfig(ModelConfig):
 
     @property
     def mirror_skip_on(self):
-        """Whether the skip is on: mirror_skip, or where it is None, wherever it is exact.
-        (Resolved here, not written back, so the config copies and replaces like any dataclass.)"""
+        """mirror_skip, or where it is None, whether it is exact (resolved here, never written back)."""
         return self.mirror_skip_exact if self.mirror_skip is None else self.mirror_skip
 
 
@@ -109,11 +105,9 @@ def intra(n):
 
 
 def shared_intra(n):
-    """Shared-KV control (HD §5.2, PHD-like), used in place of intra when cfg.shared_kv. Our
-    definition: the shared per-token K/V is stream 0's (as PHD keeps only the original copy's
-    KV). A query at (token i, stream s) reads stream 0's K/V of tokens j < i plus its own row
-    (i, s); streams stay separate trajectories and only one K/V row per past token has to be
-    retained. n = 1: causal."""
+    """Shared-KV control (HD §5.2, PHD-like) for I layers when cfg.shared_kv. Our definition: a
+    query at (token i, stream s) reads stream 0's K/V of tokens j < i (PHD keeps the original
+    copy's) plus its own row (i, s): one K/V row per past token. n = 1: causal."""
     def shared_intra_mask(b, h, q_idx, kv_idx):
         return (kv_idx == q_idx) | ((kv_idx % n == 0) & (kv_idx // n < q_idx // n))
     return shared_intra_mask
@@ -184,14 +178,12 @@ class HiddenDecoding(nn.Module):
         return rows.flatten(1, 2)
 
     def mirror_skip_from(self):
-        """The KV-mirror skip (HD §3.1): from the first mirrored layer (moe.ModelConfig.mirrored)
-        on, only the final-stream rows are carried; their K/V still come from every row of the
-        source layer's input. The first such layer, or None (no skip)."""
+        """The first layer of the KV-mirror skip (HD §3.1), or None: from it on only final-stream
+        rows are carried, their K/V still from every row of the source layer's input."""
         return self.cfg.mirrored.start if self.cfg.mirror_skip_on else None
 
     def kv_window(self, i):
-        """How many rows back layer i's keys reach: the window for an L layer (M^local), else None
-        (every earlier row). A cached L layer keeps and reads only those rows."""
+        """How far back layer i's keys reach: an L layer's window (its cache keeps only those), else None."""
         return self.cfg.window if self.cfg.layout[i] == "L" else None
 
     def kv_rows_per_token(self, i):
@@ -248,13 +240,10 @@ class HiddenDecoding(nn.Module):
         return self.backbone.lm_head(self.backbone.norm_f(h))
 
     def forward(self, idx, targets=None, caches=None):
-        """idx (B, L) -> (logits (B, L, V) of each token's prediction, loss or None).
-
-        objective "final": the final-stream row of token i predicts x_{i+1} (HD §2.1, Eq. 1);
-        the LM head runs on those L rows only. "all": every row of token i predicts x_{i+1}
-        (the returned logits are still the final stream's). "sum": the n stream states of
-        token i are summed, then normed and projected (HD §5.1).
-        """
+        """idx (B, L) -> (logits (B, L, V) of each token's prediction, loss or None). objective
+        "final": token i's final-stream row predicts x_{i+1} (HD §2.1, Eq. 1), the LM head on those
+        L rows only; "all": every row of token i predicts it (logits still the final stream's);
+        "sum": token i's n stream states summed, then normed and projected (HD §5.1)."""
         check_tokens(idx, targets, self.cfg.vocab_size)
         n = self.cfg.n_streams
         h = self.hidden(idx, caches)

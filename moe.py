@@ -10,9 +10,8 @@ inference code:
 - KV-Mirror (U-shape): the last third of the layers compute their keys and values from the
   normalized attention input saved by the first third, with their own projections.
 
-hd.py and tah.py reuse `Block`, `attend`, `LayerPlan` and `Transformer.run_blocks`. A forward
-reads a KV cache (generate.py) through `len(cache)` and `cache.update(k, v)` only. Input checks
-live in checks.py. `python moe.py`: forward, loss, expert loads, a greedy continuation.
+hd.py and tah.py reuse `Block`, `attend`, `LayerPlan` and `Transformer.run_blocks`. A forward reads
+a KV cache (generate.py) through `len(cache)` and `cache.update(k, v)`; checks.py checks inputs.
 """
 
 import math
@@ -206,7 +205,8 @@ def attend_folded(q, k, v, mask):
     """Exact GQA with each K/V head's G query heads run as G * Tq rows of that head (the mask
     repeated per head): a K/V row is read once per group, where SDPA's CPU enable_gqa reads it
     once per query head. It pays while the rows fit one CPU query tile (32)."""
-    (B, H, Tq, hd), G = q.shape, q.size(1) // k.size(1)
+    B, H, Tq, hd = q.shape
+    G = H // k.size(1)
     mask = None if mask is None else mask.repeat(*(1,) * (mask.dim() - 2), G, 1)
     y = F.scaled_dot_product_attention(q.reshape(B, H // G, G * Tq, hd), k, v, attn_mask=mask)
     return y.view(B, H, Tq, hd)
@@ -407,7 +407,7 @@ class Transformer(nn.Module):
         """idx (B, T) -> (logits (B, T, V), loss or None). With caches (one per layer, see
         generate.py), idx continues the rows they hold."""
         check_tokens(idx, targets, self.cfg.vocab_size)
-        B, T = idx.shape
+        T = idx.size(1)
         start = 0 if caches is None else check_caches(caches, self.cfg.n_layer, self.cfg.block_size)
         check_length(start, T, self.cfg.block_size, "positions")
         pos = torch.arange(start, start + T, device=idx.device)
