@@ -107,15 +107,19 @@ class Progress:
     the run; `run` = (when it started, the parent's prediction of the run's seconds left then,
     the parent's real-over-predicted scale or None) then adds the whole run's time left: that
     prediction counted down, at least this process's own time left. Before anything has
-    finished the parent knows no scale, and this process's own pace so far gives it."""
+    finished the parent knows no scale, and this process's pace gives it: its timed steps'
+    seconds over the probe's for the same steps (start-up, evaluation and the untimed first
+    step of a stage left out, so the estimate settles from the first line). A pace over
+    SLOW_PACE says so on the line: something else is using the machine."""
 
     def __init__(self):
         self.plan, self.rate, self.arm, self.stepping, self.t0, self.run = [], {}, 0, 0.0, time.time(), None
+        self.probed, self.stepped_probe = {}, 0.0
 
     def start(self, plan, rates, run=None):
         self.planned, self.plan, self.rate = list(plan), [[arm, steps] for arm, steps in plan], dict(rates)
         self.total, self.arm, self.stepping, self.t0 = sum(s for _, s in plan), 0, 0.0, time.time()
-        self.probed, self.run = dict(rates), run
+        self.probed, self.run, self.stepped_probe = dict(rates), run, 0.0
 
     def advance(self, arm, steps=1, seconds=None):
         """`steps` steps of arm done (one, in `seconds`, when timed; a resumed arm's, untimed)."""
@@ -124,6 +128,7 @@ class Progress:
             entry[1] -= steps
         if seconds is not None:
             self.stepping += seconds
+            self.stepped_probe += self.probed.get(arm, seconds)
             r = self.rate.get(arm)
             self.rate[arm] = seconds if r is None else 0.8 * r + 0.2 * seconds
 
@@ -135,7 +140,16 @@ class Progress:
         left = train_left * (el / self.stepping if self.stepping > 5.0 else 1.0)  # the first seconds: start-up, not pace
         return (f"arm {self.arm}/{len(self.plan)} | {getattr(self, 'total', 0) - left_steps}/{getattr(self, 'total', 0)} "
                 f"steps | elapsed {el / 60:.1f} min" + (f" | ~{left / 60:.1f} min left" if self.rate and self.run else "")
-                + self.run_left(el, left))
+                + self.run_left(el, left) + self.pace_note())
+
+    def pace(self):
+        """This process's timed steps' seconds over the probe's prediction of them (1: as probed)."""
+        return self.stepping / self.stepped_probe if self.stepped_probe > 0 else 1.0
+
+    def pace_note(self):
+        slow = self.pace()  # said after 10 s of timed steps: a few short steps are noise
+        return (f" | pace {slow:.1f}x the probe's: another job is using the machine?"
+                if slow > SLOW_PACE and self.stepping > 10.0 else "")
 
     def run_left(self, el, left):
         """' | run ~M min left': in one process its own time left (the process is the run); in a
@@ -143,12 +157,12 @@ class Progress:
         if self.run is None:
             return f" | run ~{left / 60:.1f} min left" if self.rate else ""
         start, predicted, scale = self.run
-        if scale is None:  # nothing has finished yet: this process's own pace so far scales the prediction
-            done = sum((steps - max(s, 0)) * self.probed.get(a, 0.0) for (a, steps), (_, s) in zip(self.planned, self.plan))
-            predicted *= el / done if done > 0 else 1.0
+        if scale is None:  # nothing has finished yet: this process's pace scales the prediction
+            predicted *= self.pace()
         return f" | run ~{max(left, start + predicted - time.time()) / 60:.1f} min left"
 
 
+SLOW_PACE = 1.3  # a pace this much slower than the probe's is said on the progress line
 PROGRESS = Progress()
 
 
