@@ -239,10 +239,20 @@ class IteratedOracle:
     labels) still gets wrong after its second pass gets 3."""
 
     def __init__(self, ref, tah2, task):
+        for name, m in (("ref", ref), ("tah2", tah2)):
+            if not isinstance(m, ThinkAtHard):
+                raise ValueError(f"IteratedOracle's {name} must be a ThinkAtHard, got {type(m).__name__}")
+        if tah2.cfg.max_depth < 2:
+            raise ValueError(f"IteratedOracle's tah2 must run 2 passes (max_depth >= 2), got {tah2.cfg.max_depth}")
+        if not callable(getattr(task, "response", None)):
+            raise ValueError(f"IteratedOracle reads the task's response positions, got {type(task).__name__}")
         self.ref, self.tah2, self.task = ref, tah2, task
 
     @torch.no_grad()
     def __call__(self, x, y):
+        if not (isinstance(y, torch.Tensor) and isinstance(x, torch.Tensor) and x.shape == y.shape):
+            raise ValueError(f"IteratedOracle takes inputs and targets of one shape, got "
+                             f"{getattr(x, 'shape', type(x))} and {getattr(y, 'shape', type(y))}")
         d = oracle_depths(self.ref(x, mode="standard").logits, y, 2, self.task.response(x))
         wrong = self.tah2(x, mode="oracle", depths=d).logits.argmax(-1) != y
         return d + ((d == 2) & wrong).long()

@@ -1,10 +1,15 @@
 """Bad input to the newer surfaces gives one clear ValueError naming what is wrong, never a
-deep torch error or a silent answer: the caches, moe.attend, tasks.Lookups, the token router."""
+deep torch error or a silent answer: the caches, moe.attend, tasks.Lookups, the token router,
+TaH-3's iterated labels."""
+
+from dataclasses import replace
 
 import pytest
 import torch
 
+import ablations
 import headline
+import train_tiny as tt
 from generate import KVCache, WindowCache, make_caches
 from hd import HDConfig, HiddenDecoding
 from moe import attend
@@ -96,3 +101,19 @@ def test_the_token_router_names_a_task_without_token_kinds_and_non_token_input()
     with pytest.raises(ValueError, match="routes token ids"):
         router(torch.zeros(2, 3))
     assert router(torch.zeros(2, 3, dtype=torch.long)).dtype == torch.long
+
+
+def test_the_iterated_labels_name_a_model_or_task_they_cannot_read():
+    task = Lookups(4, 2, 0.3, 0.3)
+    cfg = headline.tah_config(tt.PRESETS["smoke"], task, 1)
+    ref, tah2 = headline.ThinkAtHard(cfg), headline.ThinkAtHard(cfg)
+    one_pass = headline.ThinkAtHard(replace(cfg, max_depth=1))
+    for args, says in [((torch.nn.Linear(2, 2), tah2, task), "ref must be a ThinkAtHard"),
+                       ((ref, one_pass, task), "must run 2 passes"),
+                       ((ref, tah2, object()), "reads the task's response positions")]:
+        with pytest.raises(ValueError, match=says):
+            ablations.IteratedOracle(*args)
+    x, y = task.batch("train", 2, task.problem_len, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="inputs and targets of one shape"):
+        ablations.IteratedOracle(ref, tah2, task)(x, y[:, :-1])
+    assert set(ablations.IteratedOracle(ref, tah2, task)(x, y).unique().tolist()) <= {1, 2, 3}
