@@ -956,10 +956,13 @@ def test_the_run_key_changes_with_the_data_content(tmp_path):
     assert len(list((tmp_path / "out").glob("run-*"))) == 2  # the edited file was not taken as done
 
 
-@pytest.mark.parametrize("suite, arm, step", [("moe", "moe/bias update on", 2), ("moe", "moe/bias update off", 1),
-                                              ("tah", "tah/TaH stage 1", 2), ("hd", "hd/n=2 continued", 1)])
+@pytest.mark.parametrize("suite, arm, step", [
+    ("moe", "moe/bias update on", 2), ("moe", "moe/bias update off", 1), ("tah", "tah/TaH stage 1", 2),
+    ("hd", "hd/n=2 continued", 1), ("tah-hidden", "tah-hidden/token-type router", 2),
+    ("tah3", "tah3/TaH-3, iterated labels (max 3 passes) stage 1", 1),
+    ("all", "hd/n=2 continued, objective sum", 1)])  # one kill per suite family
 def test_every_reported_number_is_the_same_after_a_kill_and_resume(tmp_path, monkeypatch, suite, arm, step):
-    base = ["--smoke", "--suite", suite, "--ckpt-every", "1"]
+    base = ["--smoke", "--suite", suite, "--ckpt-every", "1", "--jobs", "1"]  # one process: the patch reaches it
     tt.main(base + ["--out", str(tmp_path / "straight")])
     real, killed = trainer.train, []
 
