@@ -252,8 +252,8 @@ def tah_profile(L, device, repeats, width=256, frac=0.06, B=4):
     depths = {"Standard": torch.ones(B, L, dtype=torch.long, device=device), "TaH": 1 + hard.long()}
 
     t = timeit({"Standard": tah_train(model, idx, depths["Standard"]), "TaH": tah_train(model, idx, depths["TaH"]),
-                "TaH, no LoRA at depth 1 (diagnostic)": tah_train(with_adapters(model, NoLoRA), idx, depths["TaH"]),
-                "TaH, no gradient from depth 1 into W (diagnostic)":
+                "TaH, no LoRA in pass 2 (diagnostic)": tah_train(with_adapters(model, NoLoRA), idx, depths["TaH"]),
+                "TaH, no gradient from pass 2 into W (diagnostic)":
                     tah_train(with_adapters(model, NoGradIntoW), idx, depths["TaH"])}, repeats, device)
     first = ops["one pass (every row)"]
     rows = [[f"decode step, B={B}: {k}", f"{v:.0f} ops", f"{v / first:.2f}x"] for k, v in ops.items()]

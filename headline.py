@@ -436,19 +436,19 @@ def tah_routing_rows(fx, models, ev, seed):
 
 
 def tah_diagnostics(fx, mode, o, seed):
-    """Oracle: where its gain comes from (depth 0 alone vs the sum). Decider: the fate of the
+    """Oracle: where its gain comes from (pass 1 alone vs the sum). Decider: the fate of the
     easy answers it sends on (overthinking)."""
     share = lambda m: m.float().mean().item() if m.numel() else float("nan")
     if mode == "oracle":
         h = o["hard"]
         return result_rows(fx.diagnostics, "TaH under the oracle", seed, {
-            "hard share of answers": share(h), "depth-0 acc, easy answers": share(o["first_ok"][~h]),
-            "depth-0 acc, hard answers": share(o["first_ok"][h]), "summed acc, hard answers": share(o["ok"][h])})
+            "hard share of answers": share(h), "pass-1 acc, easy answers": share(o["first_ok"][~h]),
+            "pass-1 acc, hard answers": share(o["first_ok"][h]), "summed acc, hard answers": share(o["ok"][h])})
     if mode == "decider":
         fp = o["went"] & ~o["hard"]  # easy answers the decider sent on
         return result_rows(fx.diagnostics, "TaH under the decider", seed, {
-            "easy answers sent on": share(fp), "of those, right at depth 0": share(o["first_ok"][fp]),
-            "of those, right after depth 1": share(o["ok"][fp])})
+            "easy answers sent on": share(fp), "of those, right after pass 1": share(o["first_ok"][fp]),
+            "of those, right after pass 2": share(o["ok"][fp])})
     return []
 
 
@@ -517,7 +517,7 @@ def tah_problem(model, data, P, run):
     names = [data.describe(t) for t in idx[0].tolist()]
     save_inside(run, "tah_problem.md", trace_table(trace, names, data.describe))
     if MASTER:
-        plot_trace(trace, names, model.cfg.threshold, run.run_dir / "inside" / "tah_problem.png")
+        plot_trace(trace, names, model.cfg.threshold, run.run_dir / "inside" / "tah_problem.png", data.describe)
 
 
 def inside_claims(fx, task):

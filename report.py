@@ -270,11 +270,12 @@ def plot_sweep(summary, out_dir, eval_set, effects, ends):
     return path
 
 
-def plot_trace(trace, names, threshold, path):
+def plot_trace(trace, names, threshold, path, describe=str):
     """One TaH forward drawn (TaH Figs. 5 and 7): per token, the decider's probability of going
-    on after the first pass (bars, dark where the token ran a second pass), the threshold; below,
+    on after the first pass (bars, red where the token ran a second pass), the threshold; below,
     the second pass's attention (mean over heads) of each token that went on over every
-    (position, depth) key."""
+    (position, pass) key, each query labelled with its top-1 after pass 1 and after pass 2
+    (`describe` names a token id)."""
     plt = pyplot()
     if plt is None:
         return None
@@ -291,12 +292,16 @@ def plot_trace(trace, names, threshold, path):
     if deep:
         ax = axes[1][0]
         w = trace["weights"].float().cpu().numpy()
-        keys = [f"{p}.{d}" for p, d in zip(trace["key_pos"].tolist(), trace["key_depth"].tolist())]
-        ax.imshow(w, aspect="auto", cmap="viridis")
+        keys = [f"{p}.{d + 1}" for p, d in zip(trace["key_pos"].tolist(), trace["key_depth"].tolist())]
+        im = ax.imshow(w, aspect="auto", cmap="viridis", vmin=0)
+        fig.colorbar(im, ax=ax, label="attention weight")
         ax.set_xticks(range(len(keys)), [f"{names[int(k.split('.')[0])]} {k}" for k in keys], rotation=90,
                       fontsize=7)
-        ax.set_yticks(range(w.shape[0]), [f"{names[q]} ({q}.1)" for q in trace["query_pos"].tolist()], fontsize=8)
-        ax.set_xlabel("key: token, position.depth (depth 1 = the second pass)")
+        ax.set_yticks(range(w.shape[0]), [f"{names[q]} ({q}.2): {describe(trace['first'][q].item())} -> "
+                                          f"{describe(trace['final'][q].item())}"
+                                          for q in trace["query_pos"].tolist()], fontsize=8)
+        ax.set_xlabel("key: token, position.pass")
+        ax.set_ylabel("query (position.pass): top-1 after pass 1 -> pass 2", fontsize=8)
         ax.set_title("second pass: attention of each token that went on (duo-causal, mean over heads)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -355,8 +360,8 @@ def plot_streams(summary, out_dir, cosine, mass, head):
 def mask_panels(n=2, L=4, window=3, depths=(1, 2, 1, 2)):
     """[(title, boolean matrix (queries, keys), query labels, key labels)] from the mask functions
     themselves: hd.py's full, local and intra over n streams of L tokens (row "2b": token 2,
-    stream b), and tah.py's duo_causal over one row of per-token depths (row "2.1": token 2 at
-    depth 1), its states ordered depth by depth as a forward appends them."""
+    stream b), and tah.py's duo_causal over one row of passes per token (row "2.2": token 2 in
+    pass 2), its states ordered pass by pass as a forward appends them."""
     import torch
     from hd import full, intra, local
     from moe import dense_mask
@@ -368,8 +373,8 @@ def mask_panels(n=2, L=4, window=3, depths=(1, 2, 1, 2)):
     states = [(i, d) for d in range(max(depths)) for i, D in enumerate(depths) if D > d]
     pos, dep = (torch.tensor([s[j] for s in states])[None] for j in (0, 1))
     mod = duo_causal(pos, dep, pos, dep, torch.ones_like(pos, dtype=torch.bool))
-    names = [f"{i}.{d}" for i, d in states]
-    return panels + [(f"TaH duo-causal, depths {list(depths)}", dense_batch_mask(mod, 1, len(states), len(states),
+    names = [f"{i}.{d + 1}" for i, d in states]  # token.pass
+    return panels + [(f"TaH duo-causal, passes {list(depths)}", dense_batch_mask(mod, 1, len(states), len(states),
                                                                                     "cpu")[0, 0], names, names)]
 
 
@@ -387,22 +392,22 @@ def draw_masks(panels):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("key", fontsize=8)
     axes[0][0].set_ylabel("query", fontsize=8)
-    fig.tight_layout()
+    from matplotlib.patches import Patch
+    fig.legend(handles=[Patch(facecolor="black", label="the query may attend to the key"),
+                        Patch(facecolor="white", edgecolor="gray", label="masked")],
+               loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
 
 
 def plot_masks(path):
-    """docs/masks.png, the README's picture of the masks (`python report.py` draws it again)."""
+    """The README's picture of the masks (docs/masks.png) at `path`: `python report.py` draws it."""
     fig = draw_masks(mask_panels())
     if fig is None:
         return None
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
     return path
-
-
-if __name__ == "__main__":
-    print(plot_masks("docs/masks.png"))
 
 
 # -----------------------------------------------------------------------------
@@ -425,3 +430,16 @@ def write_report(rows, suites, ran, header, run, out, meta):
     plots = dict.fromkeys(p for s in ran for p in s.plots)
     png = [plot(loss_curves(run.run_dir), out)] + [p(summary, out, eval_set, run.run_dir) for p in plots]
     log("\n" + md + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in png if p))
+
+
+if __name__ == "__main__":
+    import argparse
+    from pathlib import Path
+    ap = argparse.ArgumentParser(description="Draw the masks figure (HD Fig. 3's masks, TaH's duo-causal mask) "
+                                             "from the mask functions themselves.")
+    ap.add_argument("--out", default="out", help="the folder masks.png goes to (default: out)")
+    ap.add_argument("--docs", action="store_true", help="rewrite the README's docs/masks.png instead")
+    a = ap.parse_args()
+    out = Path("docs" if a.docs else a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(plot_masks(out / "masks.png") or "matplotlib is not installed: nothing drawn")

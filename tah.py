@@ -7,7 +7,8 @@ Follows "Think-at-Hard: Selective Latent Iterations to Improve Reasoning Languag
 backbone): the blocks run unchanged.
 
 Depths are 0-based here (the paper's d = 1 is depth 0). Token i runs D_i passes, depths
-0 .. D_i - 1; its state at depth d is (i, d).
+0 .. D_i - 1; its state at depth d is (i, d). What a reader is shown (figures, demos, the
+README) counts passes from 1: pass p is depth p - 1, and "i.p" is token i in pass p.
 
 - Duo-causal attention (§4.1, Eq. 5): query (i, d) sees key (j, k) iff j <= i and k <= d, and
   the key exists only if token j reached depth k (k < D_j). RoPE position of (i, d) is i. The
@@ -498,7 +499,7 @@ def draw(depths):
     dep = torch.cat([torch.full((int((D > d).sum()),), d) for d in range(int(D.max()))])
     mod = duo_causal(pos[None], dep[None], pos[None], dep[None], torch.ones(1, pos.numel(), dtype=torch.bool))
     m = dense_batch_mask(mod, 1, pos.numel(), pos.numel(), "cpu")[0, 0]
-    names = [f"{p}.{d}" for p, d in zip(pos.tolist(), dep.tolist())]
+    names = [f"{p}.{d + 1}" for p, d in zip(pos.tolist(), dep.tolist())]  # token.pass
     lines = ["       " + " ".join(f"{n:>3}" for n in names)]
     for q, n in enumerate(names):
         lines.append(f"  {n:>4} " + " ".join("  #" if m[q, k] else "  ." for k in range(len(names))))
@@ -506,7 +507,7 @@ def draw(depths):
 
 
 if __name__ == "__main__":
-    print("Duo-causal mask, depths per token [1, 2, 1, 2] (row i.d = token i at depth d):")
+    print("Duo-causal mask, passes per token [1, 2, 1, 2] (row i.p = token i in pass p; # = may attend):")
     print(draw([1, 2, 1, 2]))
     torch.manual_seed(0)
     cfg = TaHConfig(vocab_size=128, n_experts=0, logit_topk=16)

@@ -226,7 +226,9 @@ def test_the_masks_picture_shows_the_mask_functions_cells():
     states = [(i, d) for d in range(2) for i, D in enumerate(depths) if D > d]  # the order a forward appends
     want.append([[j <= i and k <= d for (j, k) in states] for (i, d) in states])  # TaH Eq. 5
     assert [m.tolist() for _, m, _, _ in panels] == want
+    assert panels[-1][2] == [f"{i}.{d + 1}" for i, d in states]  # token.pass, passes counted from 1
     fig = report.draw_masks(panels)
+    assert [t.get_text() for t in fig.legends[0].texts] == ["the query may attend to the key", "masked"]
     fig.canvas.draw()
     pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3].mean(-1)  # (H, W) brightness, row 0 at the top
     for ax, (_, m, _, _) in zip(fig.axes, panels):
