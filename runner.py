@@ -80,8 +80,15 @@ class Lab:
 # Command line
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each flag's default, once, in the form the flag takes; a help text that says its own
+    default (a default that depends on the machine) is left as it is."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or action.nargs == 0:
+            return text
+        return f"{text} (default: {action.default})"
 
 
 def flag(ap, name, **kw):
@@ -97,8 +104,15 @@ def preset_flags(ap, presets):
     for f in fields(presets["default"]):
         kind = type(f.default)
         parse_value = (lambda v: tuple(x for x in v.split(",") if x)) if kind is tuple else kind
-        values = ", ".join(f"{k} {getattr(p, f.name)!r}" for k, p in presets.items())
-        flag(group, f.name, type=parse_value, default=argparse.SUPPRESS, metavar=kind.__name__.upper(), help=values)
+        values = ", ".join(f"{k} {flag_form(getattr(p, f.name))}" for k, p in presets.items())
+        what = f.metadata.get("help")
+        flag(group, f.name, type=parse_value, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+             help=f"{what}; preset {values}" if what else f"preset {values}")
+
+
+def flag_form(value):
+    """A preset value as the flag takes it: a tuple as a comma list (empty: '')."""
+    return (",".join(value) or "''") if isinstance(value, tuple) else str(value)
 
 
 def parser(lab):
@@ -122,9 +136,10 @@ def parser(lab):
     flag(ap, "out", default="out", help="folder for results, checkpoints and the token cache")
     flag(ap, "log_every", type=int, default=50, help="steps between log lines")
     flag(ap, "ckpt_every", type=int, default=50, help="steps between checkpoints")
-    flag(ap, "device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    flag(ap, "device", default="cuda" if torch.cuda.is_available() else "cpu",
+         help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
     flag(ap, "threads", type=int, default=1,
-         help="CPU threads per process (float sums, and so the last digits, depend on it; the README's default run "
+         help="CPU threads per process (float sums, and so the last digits, depend on it; the README's runs "
               "used 1)")
     flag(ap, "jobs", type=int,
          help="(suite, seed)s trained at once, each in a process of its own; the numbers do not depend on it "

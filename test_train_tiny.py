@@ -1295,3 +1295,20 @@ def test_every_progress_line_carries_the_runs_time_left_under_jobs(tmp_path):
     finished = [l for l in out.stdout.splitlines() if " finished (" in l]
     assert steps and len(finished) == 3
     assert all(re.search(r"\| run ~\d+\.\d min left$", l) for l in steps + finished), steps + finished
+
+
+def test_help_gives_each_default_once_in_the_form_the_flag_takes(capsys):
+    """--help: no flag shows two defaults or "(default: None)"; --device says its default depends
+    on the machine; a preset override lists every preset's value as the flag takes it."""
+    with pytest.raises(SystemExit):
+        runner.main(["--help"], tt.LAB)
+    text = re.sub(r"\s+", " ", capsys.readouterr().out)
+    flags = re.split(r" (?=--[a-z_]+[ ,])", text.split("options:")[1])
+    assert len(flags) > 40
+    for f in flags:
+        assert f.count("(default:") + f.count("; default:") <= 1, f
+        assert "(default: None)" not in f and "(default: False)" not in f, f
+    assert "cuda where torch sees a GPU, else cpu" in text
+    assert "--threads THREADS CPU threads per process" in text and "(default: 1)" in text
+    assert "preset default macbeth,hamlet,othello,king-lear, large '', smoke macbeth" in text
+    assert "('macbeth'" not in text

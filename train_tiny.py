@@ -19,7 +19,7 @@ the paper's figure beside them) are printed as a markdown table and written to
 """
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import ablations
 import headline
@@ -30,6 +30,11 @@ from tasks import Arith, Lookups
 
 # -----------------------------------------------------------------------------
 # Presets
+
+
+def knob(default, what):
+    """A Preset field with its --help text."""
+    return field(default=default, metadata={"help": what})
 
 
 @dataclass
@@ -50,33 +55,34 @@ class Preset:
     ffn_hidden: int = 192
     layout: str = "IIFLII"
     window: int = 16
-    block: int = 64  # tokens per sequence
-    batch: int = 8  # global batch, sequences
-    iters: int = 300  # --suite all: every from-scratch HD arm and MoE arm
-    lr: float = 3e-3
-    warmup: int = 20
-    hd_base_iters: int = 150  # HD: the n=1 backbone every arm continues from
-    hd_cont_iters: int = 160  # HD: steps every arm continues from the n=1 checkpoint
-    hd_cont_lr: float = 3e-3  # HD: the continuation's peak learning rate (warmup, then cosine)
+    block: int = knob(64, "tokens per sequence (text suites)")
+    batch: int = knob(8, "global batch in sequences (text suites)")
+    iters: int = knob(300, "steps of every from-scratch HD arm and of the MoE arms (--suite all, moe)")
+    lr: float = knob(3e-3, "peak learning rate of those arms and of the HD backbone")
+    warmup: int = knob(20, "warm-up steps of the text suites' stages")
+    hd_base_iters: int = knob(150, "HD: steps of the n=1 backbone every arm continues from")
+    hd_cont_iters: int = knob(160, "HD: steps every arm continues from the n=1 checkpoint")
+    hd_cont_lr: float = knob(3e-3, "HD: the continuation's peak learning rate (warmup, then cosine)")
     # TaH: in-context lookups (Lookups) on tah_layers; addition (Arith, --suite all) on add_layers
     symbols: int = 8
     queries: int = 5
     two_hop: float = 0.3
-    three_hop: float = 0.2  # --suite tah3 (TaH-3 vs TaH-2): the share of three-hop queries
+    three_hop: float = knob(0.2, "--suite tah3: the share of three-hop queries")
     tah_layers: int = 1
-    tah_ffn_hidden: int = 48  # narrow: one pass cannot decode two hops from the bag of listed pairs
+    tah_ffn_hidden: int = knob(48, "TaH's FFN width, narrow: one pass cannot decode two hops from the listed pairs")
     digits: int = 4
     add_layers: int = 3
     tah_batch: int = 32
-    tah_base_iters: int = 500  # the "base" model every TaH arm starts from
+    tah_base_iters: int = knob(500, "TaH: steps of the base model every TaH arm starts from")
     tah_base_lr: float = 2e-3
-    tah_sft_iters: int = 400  # Standard, AlwaysThink and TaH stage 1, each from the base
+    tah_sft_iters: int = knob(400, "TaH: steps of Standard, AlwaysThink and TaH stage 1, each from the base")
     tah_sft_lr: float = 2e-3
-    decider_iters: int = 400  # TaH stage 2
+    decider_iters: int = knob(400, "TaH: steps of stage 2 (the decider)")
     decider_lr: float = 3e-3
-    tah_eval_batches: int = 10
-    seeds: int = 5
-    plays: tuple = ("macbeth", "hamlet", "othello", "king-lear")
+    tah_eval_batches: int = knob(10, "TaH: held-out batches of every evaluation")
+    seeds: int = knob(5, "seeds per arm (seed0 .. seed0 + seeds - 1)")
+    plays: tuple = knob(("macbeth", "hamlet", "othello", "king-lear"), "the Shakespeare plays of the text, a comma "
+                        "list ('': every play)")
 
 
 PRESETS = {
