@@ -179,11 +179,15 @@ def table(summary, verdicts, header):
         lines += ["", f"**Verdicts** ({RULE}; Δ = arm - baseline, paired by seed)", "",
                   "| claim | metric | Δ mean ± std | mean / std | 95% interval (t) | per seed | verdict |",
                   "|---|---|---|---|---|---|---|"]
+        if all(len(v["deltas"]) < 2 for v in verdicts):
+            lines[-3] += (" With one seed the rule cannot say shown: every verdict here is \"not shown\" "
+                          "whatever the numbers, and decides nothing. Run two seeds or more.")
         for v in verdicts:
             per = ", ".join(f"{d:+.4g}" for d in v["deltas"])
             ratio = f"{abs(v['mean']) / v['std']:.1f}" if v["std"] > 0 else ""
             ci = "[{:+.4g}, {:+.4g}]".format(*v["interval95"]) if v.get("interval95") else ""
-            lines.append(f"| {v['claim']} | {v['metric']} | {v['mean']:+.4f} ± {v['std']:.4f} | {ratio} | {ci} | {per} | "
+            spread = f" ± {v['std']:.4f}" if len(v["deltas"]) > 1 else " (one seed)"
+            lines.append(f"| {v['claim']} | {v['metric']} | {v['mean']:+.4f}{spread} | {ratio} | {ci} | {per} | "
                          f"**{v['verdict']}** |")
         lines += ["", "These verdicts are this run's cell (its seeds, thread count and machine). RESULTS.md, \"The grid "
                   "of cells\", reports each headline claim over every cell measured, with a pooled 95% interval."]

@@ -176,6 +176,7 @@ class Options:
     dev: bool
     eval_split: str
     eval_seed: int
+    tidy: bool = False  # --smoke: its checkpoints are removed once its report is written
 
 
 def parse(argv, lab):
@@ -200,7 +201,7 @@ def parse(argv, lab):
                    a.suite == "all" or a.smoke or a.rehearse, jobs, out, a.data, a.device, a.threads, a.accum, a.muon,
                    a.device.startswith("cuda") if a.compile is None else a.compile,  # --compile's default
                    a.rehearse, a.log_every, a.ckpt_every, a.fresh, a.dev,
-                   *(("dev", 104729) if a.dev else ("val", 7919)))
+                   *(("dev", 104729) if a.dev else ("val", 7919)), tidy=a.smoke)
 
 
 def usable_cores():
@@ -322,6 +323,9 @@ def run(opts, argv):
                 save_rows(ctx.run_dir / "rows.json", rows, ctx.run_key)
     if MASTER:
         report(rows, opts, ctx, out, argv, time.time() - t0)
+        if opts.tidy and (ctx.run_dir / "ckpt").is_dir():
+            shutil.rmtree(ctx.run_dir / "ckpt")
+            log(f"--smoke: its checkpoints are removed ({ctx.run_dir / 'ckpt'}); its rows stay in rows.json")
 
 
 def run_suite(suite, P, run, seed, data):

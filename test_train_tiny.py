@@ -297,7 +297,7 @@ def test_two_process_ddp_has_its_own_run_and_equals_one_process(suite, tmp_path)
     class weight is counted over each rank's decisions, not the global batch's: ~1e-4 apart."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
-    common = ["train_tiny.py", "--smoke", "--suite", suite, "--device", "cpu", "--out", str(tmp_path)]
+    common = ["train_tiny.py", "--preset", "smoke", "--suite", suite, "--device", "cpu", "--out", str(tmp_path)]
     one = subprocess.run([sys.executable, *common], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *common],

@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +97,7 @@ def train(name, model, loss_fn, data, P, run, seed, on_step=None, first_batch=0)
     and resume from the checkpoint if one exists. Returns the list of training losses (one per
     step). In the planning probe (run.probe) it runs PROBE_STEPS steps, saves nothing, and
     records the stage's planned steps and its seconds per step."""
-    ckpt = run.run_dir / "ckpt" / f"{name.replace('/', '_')}_s{seed}.pt"
+    ckpt = run.run_dir / "ckpt" / f"{file_name(name)}_s{seed}.pt"
     opts = make_optimizer(model, P.lr, run.muon)
     meta = dict(arm=name, seed=seed, iters=P.iters, run=run.run_key)
     start, losses = (0, []) if run.probing else resume(ckpt, model, opts, run.device, meta)
@@ -216,6 +217,13 @@ def counting_saved(saved):
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
+
+
+def file_name(arm):
+    """An arm's name as a file name: letters and digits, each other run of characters one "_"
+    ("hd/n=2 continued" -> "hd_n_2_continued"). Two arms that meet in one name are caught on
+    loading: a checkpoint names the arm it holds."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", arm).strip("_")
 
 
 def loss_curves(run_dir):
