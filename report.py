@@ -52,17 +52,46 @@ def verdict(deltas, sign):
     return "shown" if right_sign and abs(d.mean()) > 2 * d.std(ddof=1) else "not shown"
 
 
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+        29: 2.045, 30: 2.042}  # Student's t, 97.5% quantile, by degrees of freedom
 
 
 def interval95(deltas):
     """The 95% confidence interval of the mean paired difference (Student's t, n - 1 degrees of
-    freedom; 1.96 beyond 10), or None under 2 seeds. Beside the rule, not part of it."""
+    freedom; 1.96 beyond 30), or None under 2 seeds. Beside the rule, not part of it."""
     d = np.asarray(deltas, dtype=float)
     if len(d) < 2 or not np.all(np.isfinite(d)):
         return None
     half = T975.get(len(d) - 1, 1.96) * d.std(ddof=1) / np.sqrt(len(d))
     return float(d.mean() - half), float(d.mean() + half)
+
+
+def pooled(runs):
+    """A claim over a grid of cells, from its runs: runs = [(machine, seed, delta)], every cell's
+    per-seed paired differences. One value per (machine, seed): a run that repeats another to
+    the last digit (TaH at 1 and 2 threads) is counted once, and different runs of one
+    (machine, seed) (HD at another thread count) are averaged first, since they share the
+    seed's initialization and batches. Returns N (the (machine, seed)s), the mean, the std and
+    the 95% interval (t, N - 1 degrees of freedom)."""
+    units = {}
+    for machine, seed, d in runs:
+        units.setdefault((machine, seed), set()).add(float(d))
+    v = [float(np.mean(sorted(ds))) for ds in units.values()]
+    return dict(n=len(v), mean=float(np.mean(v)), std=float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
+                interval95=interval95(v))
+
+
+def pooled_cells(cells):
+    """pooled's numbers when only each cell's (n, mean, std over its seeds) is known, the cells
+    distinct runs of distinct (machine, seed)s (a cell that repeats another is given once)."""
+    n = sum(k for k, _, _ in cells)
+    mean = sum(k * m for k, m, _ in cells) / n
+    ss = sum((k - 1) * s ** 2 + k * (m - mean) ** 2 for k, m, s in cells)
+    std = float(np.sqrt(ss / (n - 1)))
+    half = T975.get(n - 1, 1.96) * std / np.sqrt(n)
+    return dict(n=n, mean=float(mean), std=std, interval95=(float(mean - half), float(mean + half)))
 
 
 def claim_deltas(rows, claim):

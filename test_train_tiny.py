@@ -755,7 +755,7 @@ def block_path(path, as_folder):
                                   "token cache a folder", "data unreadable", "disk full"])
 def test_file_system_errors_stop_with_one_line(case, tmp_path, monkeypatch):
     """Each file-system error gets one line (no traceback) from the one boundary in main."""
-    argv = ["--smoke", "--suite", "moe", "--out", str(tmp_path)]
+    argv = ["--preset", "smoke", "--suite", "moe", "--out", str(tmp_path)]  # keeps its checkpoints, unlike --smoke
     tt.main(argv)  # a finished run to spoil
     run = next(tmp_path.glob("run-*"))
     if case == "out under a file":
@@ -1312,3 +1312,34 @@ def test_help_gives_each_default_once_in_the_form_the_flag_takes(capsys):
     assert "--threads THREADS CPU threads per process" in text and "(default: 1)" in text
     assert "preset default macbeth,hamlet,othello,king-lear, large '', smoke macbeth" in text
     assert "('macbeth'" not in text
+
+
+def test_the_t_quantiles_hold_95_percent_of_students_t():
+    """report.T975 against the t density integrated numerically (a brute-force reference)."""
+    from math import gamma, pi, sqrt
+    for dof, t in report.T975.items():
+        x = np.linspace(-t, t, 400_001)
+        pdf = gamma((dof + 1) / 2) / (sqrt(dof * pi) * gamma(dof / 2)) * (1 + x ** 2 / dof) ** (-(dof + 1) / 2)
+        assert abs(np.trapezoid(pdf, x) - 0.95) < 2e-4, dof
+
+
+@settings(max_examples=30, deadline=None)
+@given(a=st.lists(st.floats(-1, 1), min_size=2, max_size=6), b=st.lists(st.floats(-1, 1), min_size=2, max_size=6),
+       noise=st.floats(0.01, 0.5))
+def test_pooled_counts_a_repeated_run_once_and_averages_a_seeds_runs(a, b, noise):
+    """The grid's pooled interval, by brute force: machine A's cell given twice (1 and 2 threads,
+    equal to every digit) counts once; machine B's two thread counts differ, and each seed is
+    their mean; N is the (machine, seed)s and the interval is t with N - 1 degrees of freedom."""
+    b2 = [x + noise for x in b]
+    runs = ([("A", s, x) for s, x in enumerate(a)] * 2 + [("B", s, x) for s, x in enumerate(b)]
+            + [("B", s, x) for s, x in enumerate(b2)])
+    units = a + [(x + y) / 2 for x, y in zip(b, b2)]
+    got = report.pooled(runs)
+    n, m, sd = len(units), float(np.mean(units)), float(np.std(units, ddof=1))
+    assert got["n"] == len(a) + len(b)
+    assert got["mean"] == pytest.approx(m, abs=1e-12) and got["std"] == pytest.approx(sd, abs=1e-12)
+    half = report.T975[n - 1] * sd / np.sqrt(n)
+    assert got["interval95"] == pytest.approx((m - half, m + half), abs=1e-12)
+    cells = report.pooled_cells([(len(a), np.mean(a), np.std(a, ddof=1)),
+                                 (len(b), np.mean(units[len(a):]), np.std(units[len(a):], ddof=1))])
+    assert all(np.allclose(cells[k], got[k], atol=1e-12) for k in got)  # the same numbers from the cells' summaries
