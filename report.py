@@ -252,21 +252,38 @@ def pyplot():
 
 
 def plot(curves, out_dir):
-    """Training losses, one panel per suite; curves: (suite, arm) -> per-seed loss lists."""
+    """Training losses, one panel per suite (curves: (suite, arm) -> per-seed loss lists): the
+    mean over seeds, 10-step mean, with a band of ± one std over seeds. A suite whose arms
+    continue one checkpoint gets an inset of its last steps, where the arms part; TaH's decider
+    (a BCE, not a next-token loss) gets an axis of its own."""
     plt = pyplot()
     if plt is None or not curves:
         return None
     suites = sorted({s for s, _ in curves})
-    fig, axes = plt.subplots(1, len(suites), figsize=(5 * len(suites), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(suites), figsize=(5.5 * len(suites), 4.2), squeeze=False)
     for ax, suite in zip(axes[0], suites):
+        bce = None
         for (s, arm), runs in curves.items():
-            if s == suite:
-                mean = np.mean([r[:min(map(len, runs))] for r in runs], axis=0)  # mean over seeds
-                ax.plot(np.convolve(mean, np.ones(10) / 10, mode="valid"), label=arm, lw=1)
-        ax.set_title(suite)
-        ax.set_xlabel("step")
-        ax.legend(fontsize=6)
-    axes[0][0].set_ylabel("train loss (mean over seeds, 10-step mean)")
+            if s != suite:
+                continue
+            k = min(map(len, runs))
+            smooth = np.array([np.convolve(r[:k], np.ones(10) / 10, mode="valid") for r in runs])
+            mean, std = smooth.mean(0), smooth.std(0, ddof=1) if len(runs) > 1 else np.zeros(smooth.shape[1])
+            on = ax
+            if "decider" in arm:  # stage 2 trains the decider's BCE: its own scale
+                bce = bce or ax.twinx()
+                on = bce
+            line, = on.plot(mean, label=arm, lw=1, ls="--" if on is bce else "-")
+            on.fill_between(range(len(mean)), mean - std, mean + std, color=line.get_color(), alpha=0.15, lw=0)
+        paired_differences(ax, {arm: runs for (s, arm), runs in curves.items() if s == suite and "decider" not in arm})
+        ax.set_title({"hd": "HD (hd suite)", "tah": "TaH on lookups (tah suite)"}.get(suite, f"{suite} suite"),
+                     fontsize=9)
+        ax.set_xlabel("step of the arm's stage")
+        ax.set_ylabel("train loss, next-token CE (nats)")
+        if bce is not None:
+            bce.set_ylabel("decider BCE (dashed)")
+            bce.legend(fontsize=6, loc="center right")
+        ax.legend(fontsize=6, loc="upper right")
     fig.tight_layout()
     path = out_dir / "loss_curves.png"
     fig.savefig(path, dpi=120)
@@ -274,28 +291,58 @@ def plot(curves, out_dir):
     return path
 
 
+def paired_differences(ax, arms):
+    """An inset of ax: the arms that train equally long on the same batches (three or more, the
+    first of them the baseline), each minus the baseline, seed by seed, then the mean (10-step
+    mean): where curves that overlap on the main axes part."""
+    by_len = {}
+    for arm, runs in arms.items():
+        by_len.setdefault(min(map(len, runs)), []).append(arm)
+    group = max(by_len.values(), key=len)
+    if len(group) < 3:
+        return
+    base, k = group[0], min(map(len, arms[group[0]]))
+    inset = ax.inset_axes([0.42, 0.5, 0.36, 0.3])
+    for arm in group[1:]:
+        d = [np.convolve(np.subtract(a[:k], b[:k]), np.ones(10) / 10, mode="valid") for a, b in zip(arms[arm], arms[base])]
+        inset.plot(np.mean(d, axis=0), lw=1, label=arm)
+    inset.axhline(0, c="gray", lw=0.5)
+    inset.set_title(f"minus {base}, paired by seed", fontsize=6)
+    inset.tick_params(labelsize=5)
+    inset.legend(fontsize=5)
+
+
 def plot_sweep(summary, out_dir, eval_set, effects, ends):
     """TaH's compute-accuracy trade-off, one panel per effect in `effects` (one per task):
-    answer accuracy (on eval_set) vs positions iterated, the decider's thresholds as a curve,
-    the arms named in `ends` (Standard and AlwaysThink) as end points."""
-    panels = {}  # effect -> arm -> metric -> mean
+    answer accuracy (on eval_set) vs positions iterated, mean ± std over seeds, the decider's
+    thresholds as a curve with each point labelled, the arms named in `ends` (Standard and
+    AlwaysThink) as end points; an inset zooms on the thresholds, which crowd near each other."""
+    panels = {}  # effect -> arm -> metric -> (mean, std)
     for s in summary:
         if s["effect"] in effects:
-            panels.setdefault(s["effect"], {}).setdefault(s["arm"], {})[s["metric"]] = s["mean"]
+            panels.setdefault(s["effect"], {}).setdefault(s["arm"], {})[s["metric"]] = (s["mean"], s["std"])
     plt = pyplot()
     if not panels or plt is None:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (effect, pts) in zip(axes[0], panels.items()):
-        sweep = sorted((v["iterated"], v["acc"]) for a, v in pts.items() if a not in ends)
-        ax.plot(*zip(*sweep), "o-", label="TaH decider, thresholds 0.1-0.95")
+        sweep = sorted((v["iterated"], v["acc"], a.rsplit(" ", 1)[-1]) for a, v in pts.items() if a not in ends)
+        inset = ax.inset_axes([0.45, 0.1, 0.5, 0.45])
+        for on in (ax, inset):
+            (x, dx), (y, dy) = zip(*[p[0] for p in sweep]), zip(*[p[1] for p in sweep])
+            on.errorbar(x, y, xerr=dx, yerr=dy, fmt="o-", ms=3, capsize=2, lw=1, label="TaH decider, by threshold")
+        for (x, _), (y, _), t in sweep:
+            inset.annotate(t, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         for arm in ends:
             if arm in pts:
-                ax.plot(pts[arm]["iterated"], pts[arm]["acc"], "s", label=arm)
+                (x, dx), (y, dy) = pts[arm]["iterated"], pts[arm]["acc"]
+                ax.errorbar(x, y, xerr=dx, yerr=dy, fmt="s", capsize=2, label=arm)
+        inset.set_title("the thresholds (labelled), zoomed", fontsize=7)
+        inset.tick_params(labelsize=6)
         ax.set_title(effect.split("(", 1)[-1].rstrip(")"), fontsize=9)
         ax.set_xlabel("positions iterated (fraction of all positions)")
-        ax.set_ylabel(f"answer accuracy ({eval_set}, mean over seeds)")
-        ax.legend(fontsize=7)
+        ax.set_ylabel(f"answer accuracy ({eval_set}; mean ± std over seeds)")
+        ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     path = out_dir / "tah_tradeoff.png"
     fig.savefig(path, dpi=120)
@@ -343,39 +390,52 @@ def plot_trace(trace, names, threshold, path, describe=str):
 
 
 def plot_streams(summary, out_dir, cosine, mass, head):
-    """HD's streams (HD Figs. 6 and 7) from the rows: cosine of two streams per layer, same token
-    and different tokens, one line each per n (effects `cosine`, n -> effect name); the final
-    stream's attention mass per stream in each cross-stream layer (the largest n, `mass`); each
-    stream's entropy (`head`)."""
+    """HD's streams (HD Figs. 6 and 7) from the rows, mean ± std over seeds: (a) cosine of two
+    streams per layer, same token and different tokens, per n (effects `cosine`, n -> effect
+    name); (b) the final stream's attention mass per stream in each cross-stream layer (the
+    largest n, `mass`); (c) how often each earlier stream's top-1 differs from the final
+    stream's and (d) each stream's LM-head entropy (`head`)."""
     plt = pyplot()
-    means = {(s["effect"], s["arm"], s["metric"]): s["mean"] for s in summary}
-    ran = [n for n in cosine if any(k[0] == cosine[n] for k in means)]
+    stats = {(s["effect"], s["arm"], s["metric"]): (s["mean"], s["std"]) for s in summary}
+    ran = [n for n in cosine if any(k[0] == cosine[n] for k in stats)]
     if plt is None or not ran:
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
     for n in ran:
         for arm, ls in (("same token", "-"), ("different tokens", ":")):
-            pts = [(m, v) for (e, a, m), v in means.items() if e == cosine[n] and a == arm and m != "where the gap is least"]
-            axes[0].plot([m for m, _ in pts], [v for _, v in pts], ls, marker="o", label=f"n={n}, {arm}")
+            pts = [(m, v) for (e, a, m), v in stats.items() if e == cosine[n] and a == arm and m != "where the gap is least"]
+            axes[0].errorbar([m for m, _ in pts], [v[0] for _, v in pts], yerr=[v[1] for _, v in pts], ls=ls,
+                             marker="o", ms=3, capsize=2, label=f"n={n}, {arm}")
+    axes[0].set_xlabel("layer input")
     axes[0].set_ylabel("mean cosine of two streams")
     axes[0].set_title("(a) streams of one token vs of different tokens", fontsize=9)
     n = max(ran)
-    layers = list(dict.fromkeys(a for (e, a, m) in means if e == mass[n]))
-    streams = list(dict.fromkeys(m for (e, a, m) in means if e == mass[n]))
+    layers = list(dict.fromkeys(a for (e, a, m) in stats if e == mass[n]))
+    streams = list(dict.fromkeys(m for (e, a, m) in stats if e == mass[n]))
     width = 0.8 / max(1, len(layers))
     for j, layer in enumerate(layers):
-        axes[1].bar([k + j * width for k in range(len(streams))], [means[(mass[n], layer, m)] for m in streams],
-                    width, label=layer)
+        axes[1].bar([k + j * width for k in range(len(streams))], [stats[(mass[n], layer, m)][0] for m in streams],
+                    width, yerr=[stats[(mass[n], layer, m)][1] for m in streams], capsize=2, label=layer)
     axes[1].set_xticks([k + 0.4 - width / 2 for k in range(len(streams))], streams, fontsize=8)
+    axes[1].set_xlabel("key stream")
     axes[1].set_ylabel("attention mass of final-stream queries")
     axes[1].set_title(f"(b) n={n}: what the final stream reads", fontsize=9)
-    for n in ran:
-        arms = [a for (e, a, m) in means if e == head[n] and m == "entropy (bits)" and a.startswith("stream")]
-        axes[2].plot(range(len(arms)), [means[(head[n], a, "entropy (bits)")] for a in arms], marker="o", label=f"n={n}")
-    axes[2].ticklabel_format(axis="y", useOffset=False)
-    axes[2].set_xlabel("stream (the last is the final stream)")
-    axes[2].set_ylabel("LM-head entropy (bits)")
-    axes[2].set_title("(c) the shared head read off each stream", fontsize=9)
+    for ax, metric, what in ((axes[2], "top-1 differs from the final stream's", "earlier streams"),
+                             (axes[3], "entropy (bits)", "every stream")):
+        for n in ran:
+            arms = [a for (e, a, m) in stats if e == head[n] and m == metric and a.startswith("stream")]
+            arms = [a for a in arms if metric.startswith("entropy") or "final" not in a]  # (c): the final stream is 0
+            ks = [int(a.split()[1]) for a in arms]
+            ax.errorbar(ks, [stats[(head[n], a, metric)][0] for a in arms], yerr=[stats[(head[n], a, metric)][1]
+                        for a in arms], marker="o", ms=3, capsize=2, label=f"n={n}")
+        ax.set_xticks(range(max(ran) - (metric.startswith("top-1"))))
+        ax.set_xlabel(f"stream k ({what}; stream n-1 is the final one)")
+    axes[2].set_ylim(0, 1)
+    axes[2].set_ylabel("share of positions: top-1 differs from the final stream's")
+    axes[2].set_title("(c) an earlier stream's prediction against the final one's", fontsize=9)
+    axes[3].ticklabel_format(axis="y", useOffset=False)
+    axes[3].set_ylabel("LM-head entropy (bits)")
+    axes[3].set_title("(d) the shared head's entropy on each stream", fontsize=9)
     for ax in axes:
         ax.legend(fontsize=7)
     axes[0].tick_params(axis="x", labelsize=7)
