@@ -519,7 +519,7 @@ if __name__ == "__main__":
         oracle = oracle_depths(ref.logits, y, cfg.max_depth)
         for mode in MODES:
             out = model(x, y, mode=mode, depths=oracle)
-            print(f"mode {mode:>8}: loss {out.loss.item():.4f}, tokens iterated "
-                  f"{(out.depths > 1).float().mean().item():.0%}")
+            print(f"mode {mode:>8}, untrained: loss {out.loss.item():.4f} (ln V {math.log(cfg.vocab_size):.2f}), "
+                  f"tokens iterated {(out.depths > 1).float().mean().item():.0%}")
     print("(an untrained decider scores about 0.5, below the 0.9 threshold, so it iterates nothing; "
           "train_tiny.py trains one)")
