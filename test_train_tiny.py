@@ -491,6 +491,8 @@ def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
     result = json.loads((tmp_path / "results.json").read_text())
     assert [v["claim"] for v in result["verdicts"]] == [c.name for c in runner.claims(tt.LAB)]  # every claim judged
     assert all(v["verdict"] == "not shown" for v in result["verdicts"])  # one seed can never show an effect
+    assert "With one seed the rule cannot say shown" in md and "(one seed)" in md
+    assert not list(tmp_path.glob("run-*/ckpt"))  # --smoke removes its checkpoints once reported
     tt.main(["--smoke", "--jobs", "1", "--out", str(tmp_path)])  # a second run finds every suite done
     assert (tmp_path / "results.md").read_text().split("\n", 1)[1] == md.split("\n", 1)[1]
 
@@ -903,7 +905,7 @@ def test_a_damaged_or_foreign_checkpoint_gives_one_line_naming_the_file(tmp_path
 
 
 def test_damaged_rows_file_orphaned_temporaries_and_fresh(tmp_path):
-    argv = ["--smoke", "--suite", "tah", "--out", str(tmp_path)]
+    argv = ["--preset", "smoke", "--suite", "tah", "--out", str(tmp_path)]  # keeps its checkpoints
     tt.main(argv)
     (run,) = tmp_path.glob("run-*")
     orphan = run / "ckpt" / "x.pt.123.tmp"
