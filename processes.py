@@ -110,7 +110,7 @@ class Progress:
     finished the parent knows no scale, and this process's pace gives it: its timed steps'
     seconds over the probe's for the same steps (start-up, evaluation and the untimed first
     step of a stage left out, so the estimate settles from the first line). A pace over
-    SLOW_PACE says so on the line: something else is using the machine."""
+    SLOW_PACE of what was expected says so on the line (pace_note)."""
 
     def __init__(self):
         self.plan, self.rate, self.arm, self.stepping, self.t0, self.run = [], {}, 0, 0.0, time.time(), None
@@ -147,8 +147,14 @@ class Progress:
         return self.stepping / self.stepped_probe if self.stepped_probe > 0 else 1.0
 
     def pace_note(self):
-        slow = self.pace()  # said after 10 s of timed steps: a few short steps are noise
-        return (f" | pace {slow:.1f}x the probe's: another job is using the machine?"
+        """Said after 10 s of timed steps (a few short steps are noise). One process: the pace
+        against the probe's, which ran alone too. A --jobs process: against the run's own
+        real-over-predicted scale so far (its processes slow each other, as the probe could not
+        see), and nothing before a (suite, seed) has finished."""
+        slow = self.pace()
+        if self.run is not None:
+            slow = slow / self.run[2] if self.run[2] else 0.0
+        return (f" | pace {slow:.1f}x what was expected: another job is using the machine?"
                 if slow > SLOW_PACE and self.stepping > 10.0 else "")
 
     def run_left(self, el, left):
