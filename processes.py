@@ -168,7 +168,7 @@ class Progress:
         return f" | run ~{max(left, start + predicted - time.time()) / 60:.1f} min left"
 
 
-SLOW_PACE = 1.3  # a pace this much slower than the probe's is said on the progress line
+SLOW_PACE = 1.3  # a pace this much slower than expected is said on the progress line (pace_note)
 PROGRESS = Progress()
 
 
