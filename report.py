@@ -64,8 +64,13 @@ def interval95(deltas):
     d = np.asarray(deltas, dtype=float)
     if len(d) < 2 or not np.all(np.isfinite(d)):
         return None
-    half = T975.get(len(d) - 1, 1.96) * d.std(ddof=1) / np.sqrt(len(d))
-    return float(d.mean() - half), float(d.mean() + half)
+    return t_interval(d.mean(), d.std(ddof=1), len(d))
+
+
+def t_interval(mean, std, n):
+    """mean ± the t quantile (n - 1 degrees of freedom) times std / sqrt(n)."""
+    half = T975.get(n - 1, 1.96) * std / np.sqrt(n)
+    return float(mean - half), float(mean + half)
 
 
 def pooled(runs):
@@ -90,8 +95,7 @@ def pooled_cells(cells):
     mean = sum(k * m for k, m, _ in cells) / n
     ss = sum((k - 1) * s ** 2 + k * (m - mean) ** 2 for k, m, s in cells)
     std = float(np.sqrt(ss / (n - 1)))
-    half = T975.get(n - 1, 1.96) * std / np.sqrt(n)
-    return dict(n=n, mean=float(mean), std=std, interval95=(float(mean - half), float(mean + half)))
+    return dict(n=n, mean=float(mean), std=std, interval95=t_interval(mean, std, n))
 
 
 def claim_deltas(rows, claim):
@@ -253,9 +257,9 @@ def pyplot():
 
 def plot(curves, out_dir):
     """Training losses, one panel per suite (curves: (suite, arm) -> per-seed loss lists): the
-    mean over seeds, 10-step mean, with a band of ± one std over seeds. A suite whose arms
-    continue one checkpoint gets an inset of its last steps, where the arms part; TaH's decider
-    (a BCE, not a next-token loss) gets an axis of its own."""
+    mean over seeds, 10-step mean, with a band of ± one std over seeds; an inset of the arms that
+    train equally long, each minus the first, paired by seed (paired_differences), where curves
+    that overlap part; TaH's decider (a BCE, not a next-token loss) on an axis of its own."""
     plt = pyplot()
     if plt is None or not curves:
         return None
