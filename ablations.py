@@ -22,9 +22,9 @@ import torch
 
 import headline as hl
 from hd import HiddenDecoding, HDConfig, expand_streams
-from headline import backbone_cfg, lm_loss, result_rows
+from headline import backbone_cfg, lm_loss
 from moe import ModelConfig, Transformer
-from report import Claim, Effect
+from report import Arm, Claim, Effect, result_rows
 from runner import Suite
 from tasks import Arith, Lookups
 from tah import ThinkAtHard, oracle_depths
@@ -35,27 +35,29 @@ from trainer import evaluate, train
 # HD: the ablation tables, continued from the n=1 checkpoint (HD Tables 4-6), and from scratch
 
 
-HD_SCRATCH = Effect("HD: expansion factor n, from scratch",
+HD_SCRATCH = Effect("hd-scratch", "HD: expansion factor n, from scratch",
                     "HD is continued pretraining; from scratch is this project's contrast")
-HD_LAYOUTS_CONT = Effect("HD: stream-factorized layouts (n=2, continued from the n=1 checkpoint)",
+HD_LAYOUTS_CONT = Effect("hd-layouts", "HD: stream-factorized layouts (n=2, continued from the n=1 checkpoint)",
                          "21B avg: baseline 54.33; SF(1) +1.55, SF(4) +2.16, all-full +2.62 (HD Table 4)")
-HD_OBJECTIVE_CONT = Effect("HD: training objective (n=2, continued from the n=1 checkpoint)",
+HD_OBJECTIVE_CONT = Effect("hd-objective", "HD: training objective (n=2, continued from the n=1 checkpoint)",
                            "loss: final 1.874 < sum 1.877 < all 1.880 (HD Table 5)")
-HD_KV_CONT = Effect("HD: per-stream vs shared KV (n=2, continued from the n=1 checkpoint)",
+HD_KV_CONT = Effect("hd-kv", "HD: per-stream vs shared KV (n=2, continued from the n=1 checkpoint)",
                     "avg: per-stream 64.23 vs shared 63.46 (1 full layer) (HD Table 6)")
-NO_EXPANSION = "no expansion (n=1 continued)"
-ALL_FULL, FEW_FULL = "layout all-full (every layer F)", "layout few-full (--layout, the default)"
-ONE_FULL, ALL_INTRA = "layout one-full (the last layer F, the others I)", "layout all-intra (every layer I)"
-PER_STREAM_KV, SHARED_KV = "per-stream KV", "shared KV"
+NO_EXPANSION = Arm("no-expansion", "no expansion (n=1 continued)")
+ALL_FULL = Arm("all-full", "layout all-full (every layer F)")
+FEW_FULL = Arm("few-full", "layout few-full (--layout, the default)")
+ONE_FULL = Arm("one-full", "layout one-full (the last layer F, the others I)")
+ALL_INTRA = Arm("all-intra", "layout all-intra (every layer I)")
+PER_STREAM_KV, SHARED_KV = Arm("per-stream-kv", "per-stream KV"), Arm("shared-kv", "shared KV")
 
 
 def hd_scratch_arms():
     """The contrast, n = 1, 2, 4 trained from scratch for P.iters steps, as (arm, n)."""
-    return [(f"n={n} from scratch", n) for n in hl.HD_CONT_NS]
+    return [(Arm(f"n{n}-scratch", f"n={n} from scratch"), n) for n in hl.HD_CONT_NS]
 
 
 def objective_arm(objective):
-    return f"objective {objective}"
+    return Arm(f"objective-{objective}", f"objective {objective}")
 
 
 def hd_continued_ablation_arms(P):
@@ -81,14 +83,14 @@ def hd_ablations(P, run, seed, data, trained):
             rows += result_rows(effect, arm, seed, trained.headline[how])
             continue
         model = expand_streams(trained.base, 2, **how).to(run.device)
-        train(f"hd/n=2 continued, {arm}", model, lm_loss, data, hl.continuation(P), run, seed,
+        train(f"hd/n=2 continued, {arm.label}", model, lm_loss, data, hl.continuation(P), run, seed,
               first_batch=P.hd_base_iters)
         rows += result_rows(effect, arm, seed, evaluate(model, data, P, run))
     for arm, n in hd_scratch_arms():
         torch.manual_seed(seed)
         cfg = HDConfig(**backbone_cfg(P, data.vocab_size, layout=P.layout, window=P.window, n_streams=n))
         model = HiddenDecoding(cfg).to(run.device)
-        train(f"hd/{arm}", model, lm_loss, data, P, run, seed)
+        train(f"hd/{arm.label}", model, lm_loss, data, P, run, seed)
         rows += result_rows(HD_SCRATCH, arm, seed, evaluate(model, data, P, run))
     return rows
 
@@ -111,12 +113,13 @@ HD_ABLATION_CLAIMS = [
 # HD's progressive protocol: 1 -> 2 -> 4, each stage from the previous one (HD §2.3, §4.3)
 
 
-HD_PROG = Effect("HD: progressive expansion 1 -> 2 -> 4, each stage continued from the previous stage's checkpoint",
+HD_PROG = Effect("hd-progressive",
+                 "HD: progressive expansion 1 -> 2 -> 4, each stage continued from the previous stage's checkpoint",
                  "HD §2.3, §4.3 (Fig. 4b): each expansion lowers the loss further; n=1 continues as the control")
 
 
 def prog_arm(n, stage):
-    return f"n={n} after stage {stage}"
+    return Arm(f"n{n}-stage{stage}", f"n={n} after stage {stage}")
 
 
 def hd_progressive(P, run, seed, data):
@@ -149,11 +152,16 @@ HD_PROG_CLAIMS = [
 
 
 ADDITION = "addition, answer digits; the contrast"
-TAH_ADD_FX = hl.tah_effects(ADDITION, inside=False)  # the probes of inside.py read lookups
-ATTENTION = {tag: Effect(f"TaH: duo-causal vs ablations, oracle routing ({task})",
+TAH_ADD_FX = hl.tah_effects("tah-add", ADDITION, inside=False)  # the probes of inside.py read lookups
+ATTENTION = {tag: Effect(f"{tag}-attention", f"TaH: duo-causal vs ablations, oracle routing ({task})",
                          "avg: duo-causal 35.9 vs causal (depth-1 keys) 30.5 (TaH Table 2)")
              for tag, task in (("tah", "in-context lookups, answers"), ("tah-add", ADDITION))}
 TAH_ATTENTION_ABLATIONS = ("first_depth", "depth_local")  # beside duo-causal
+DUO_CAUSAL = Arm("duo_causal", "duo-causal")
+
+
+def attention_arm(attention):
+    return Arm(attention, attention.replace("_", "-"))
 
 
 def tah_attention_ablations(P, run, seed, data, trained):
@@ -165,21 +173,21 @@ def tah_attention_ablations(P, run, seed, data, trained):
         train(f"{t.tag}/TaH stage 1, {attention}", m, hl.OracleLoss(t.oracle), data, t.stages.sft, run, seed,
               first_batch=t.stages.base.iters)
         if attention == "first_depth":
-            rows += result_rows(ATTENTION[t.tag], "duo-causal", seed, t.evaluate(t.models["tah"], "oracle")[0])
-        rows += result_rows(ATTENTION[t.tag], attention.replace("_", "-"), seed, t.evaluate(m, "oracle")[0])
+            rows += result_rows(ATTENTION[t.tag], DUO_CAUSAL, seed, t.evaluate(t.models["tah"], "oracle")[0])
+        rows += result_rows(ATTENTION[t.tag], attention_arm(attention), seed, t.evaluate(m, "oracle")[0])
     return rows
 
 
 def attention_claim(tag, task):
     return Claim(f"{task}: duo-causal attention beats first-depth keys (oracle routing)", ATTENTION[tag],
-                 "duo-causal", "first-depth", "acc", +1)
+                 DUO_CAUSAL, attention_arm("first_depth"), "acc", +1)
 
 
 # -----------------------------------------------------------------------------
 # TaH where the query token does not say which queries are hard (TaH §3.3, Table 6)
 
 
-TAH_HIDDEN_FX = hl.tah_effects("lookups, hop count per problem, answers")
+TAH_HIDDEN_FX = hl.tah_effects("tah-hidden", "lookups, hop count per problem, answers")
 HIDDEN = "TaH, lookups, hop count per problem"
 
 
@@ -224,11 +232,11 @@ def tah_addition(P, run, seed, data):
 # TaH-3 vs TaH-2 (TaH App. A.2.1, Table 7): a third pass, for three-hop lookups
 
 
-TAH3 = Effect("TaH-3 vs TaH-2: lookups with one-, two- and three-hop queries (decider routing)",
+TAH3 = Effect("tah3", "TaH-3 vs TaH-2: lookups with one-, two- and three-hop queries (decider routing)",
               "Qwen3-1.7B avg acc: Standard 47.8; TaH-2 52.8 (5.8% of tokens at 2 passes); TaH-3 53.6 (5.7% at 2, "
               "0.2% at 3) (TaH Table 7)")
-TAH2_ARM, TAH3_ARM = "TaH-2 (max 2 passes)", "TaH-3 (max 3 passes)"
-TAH3_ITER_ARM = "TaH-3, iterated labels (max 3 passes)"
+TAH2_ARM, TAH3_ARM = Arm("tah2", "TaH-2 (max 2 passes)"), Arm("tah3", "TaH-3 (max 3 passes)")
+TAH3_ITER_ARM = Arm("tah3-iterated", "TaH-3, iterated labels (max 3 passes)")
 DEEPER, THIRD = "passes, three-hop minus two-hop", "three-hop queries at 3 passes"
 
 
@@ -279,7 +287,7 @@ def tah3_protocol(P, run, seed, data):
         else:
             oracle = (IteratedOracle(ref, copy.deepcopy(models[TAH2_ARM]).eval().requires_grad_(False), data)
                       if arm == TAH3_ITER_ARM else hl.Oracle(ref, depth, data))
-            hl.train_tah(f"tah3/{arm}", models[arm], oracle, data, stages, run, seed)
+            hl.train_tah(f"tah3/{arm.label}", models[arm], oracle, data, stages, run, seed)
     return [r for arm, m in models.items()
             for r in result_rows(TAH3, arm, seed, tah_by_hops(m, data, stages.base, run, arm != hl.STANDARD))], {}
 
@@ -326,17 +334,19 @@ TAH3_CLAIMS = [
 # MoE: loss-free balancing (and, as an extra arm, KV-Mirror off)
 
 
-MOE_BALANCE = Effect("MoE: loss-free balancing", "the bias keeps experts balanced without an auxiliary loss (DeepSeek-V3 §2.1.2)")
-MOE_MIRROR = Effect("MoE: KV-Mirror", "WeLM: KV-Mirror beats direct K/V reuse (blog; no number given)")
+MOE_BALANCE = Effect("moe-balance", "MoE: loss-free balancing",
+                     "the bias keeps experts balanced without an auxiliary loss (DeepSeek-V3 §2.1.2)")
+MOE_MIRROR = Effect("moe-mirror", "MoE: KV-Mirror", "WeLM: KV-Mirror beats direct K/V reuse (blog; no number given)")
 MOE_LOAD = "max/mean expert load (held-out batches)"
-MOE_OFF, MOE_ON = "bias update off", "bias update on"
+MOE_OFF, MOE_ON = Arm("bias-off", "bias update off"), Arm("bias-on", "bias update on")
+MIRROR_ON, MIRROR_OFF = Arm("mirror-on", "KV-Mirror on"), Arm("mirror-off", "KV-Mirror off")
 
 
 def moe_arm(P, run, seed, data, arm, **overrides):
     """One backbone from scratch for P.iters steps: its held-out metrics and expert load."""
     torch.manual_seed(seed)
     model = Transformer(ModelConfig(**backbone_cfg(P, data.vocab_size, **overrides))).to(run.device)
-    train(f"moe/{arm}", model, lm_loss, data, P, run, seed)
+    train(f"moe/{arm.label}", model, lm_loss, data, P, run, seed)
     loads = []
 
     def watch(m, x, y):  # the trained model's expert loads on each held-out batch
@@ -358,9 +368,9 @@ def moe_protocol(P, run, seed, data):
 def moe_mirror(P, run, seed, data, trained):
     """The extra arm: KV-Mirror off; its baseline, KV-Mirror on, is the "bias update on" model
     (`trained`: its held-out metrics)."""
-    off = moe_arm(P, run, seed, data, "KV-Mirror off", balance_gamma=1e-3, kv_mirror=False)
-    return (result_rows(MOE_MIRROR, "KV-Mirror on", seed, {k: trained[k] for k in ("loss", "acc")})
-            + result_rows(MOE_MIRROR, "KV-Mirror off", seed, {k: off[k] for k in ("loss", "acc")}))
+    off = moe_arm(P, run, seed, data, MIRROR_OFF, balance_gamma=1e-3, kv_mirror=False)
+    return (result_rows(MOE_MIRROR, MIRROR_ON, seed, {k: trained[k] for k in ("loss", "acc")})
+            + result_rows(MOE_MIRROR, MIRROR_OFF, seed, {k: off[k] for k in ("loss", "acc")}))
 
 
 MOE_CLAIMS = [Claim("loss-free bias balances the experts", MOE_BALANCE, MOE_ON, MOE_OFF, MOE_LOAD, -1)]

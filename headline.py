@@ -19,7 +19,7 @@ import torch
 
 from hd import HDConfig, HiddenDecoding, expand_streams
 from inside import OUTCOMES, iteration_outcomes, stream_line, stream_name, stream_probes, tah_trace
-from report import Claim, Effect, plot_streams, plot_sweep, plot_trace, trace_table
+from report import Arm, Claim, Effect, result_rows, plot_streams, plot_sweep, plot_trace, trace_table
 from runner import Suite
 from tah import TaHConfig, ThinkAtHard, oracle_depths
 from tasks import Lookups, answer_exact, atomic
@@ -43,10 +43,6 @@ def lm_loss(model, x, y):
     return model(x, y)[1]
 
 
-def result_rows(effect, arm, seed, r):
-    return [dict(effect=effect.name, paper=effect.paper, arm=arm, metric=m, seed=seed, value=v) for m, v in r.items()]
-
-
 def save_inside(run, name, text):
     """An analysis of the first seed's models, kept with the run (the report copies it out)."""
     if MASTER:
@@ -58,14 +54,14 @@ def save_inside(run, name, text):
 # HD: expansion factor n, continued from one n=1 checkpoint (HD §2.3, Table 5)
 
 
-HD_N = Effect("HD: expansion factor n, continued from one n=1 checkpoint",
+HD_N = Effect("hd-n", "HD: expansion factor n, continued from one n=1 checkpoint",
               "6B MoE loss: baseline 1.908, HD n=2 1.874, n=3 1.857 (HD Table 5); each stage continues the "
               "previous one's checkpoint (HD §2.3)")
 HD_CONT_NS = (1, 2, 4)  # the HD headline's arms, each continued from the n=1 checkpoint
 
 
 def hd_cont_arm(n):
-    return f"n={n} continued"
+    return Arm(f"n{n}-continued", f"n={n} continued")
 
 
 def hd_backbone(P, run, seed, data, tag):
@@ -82,6 +78,10 @@ def continuation(P):
     return replace(P, iters=P.hd_cont_iters, lr=P.hd_cont_lr)
 
 
+BACKBONE = Arm("n1-backbone", "n=1 backbone (start of every arm)")
+JUST_EXPANDED = Arm("n2-step0", "n=2 just expanded (step 0)")
+
+
 @dataclass
 class HDTrained:
     """What the HD protocol hands its extra arms: the n = 1 backbone every arm continues from, and
@@ -95,8 +95,8 @@ def hd_protocol(P, run, seed, data):
     continue it as n = 1 (the control), 2 and 4 on the same batches for the same steps, each
     expanded with E_k <- E_{k mod n}."""
     base = hd_backbone(P, run, seed, data, "hd")
-    rows = result_rows(HD_N, "n=1 backbone (start of every arm)", seed, evaluate(base, data, P, run))
-    rows += result_rows(HD_N, "n=2 just expanded (step 0)", seed, evaluate(expand_streams(base, 2), data, P, run))
+    rows = result_rows(HD_N, BACKBONE, seed, evaluate(base, data, P, run))
+    rows += result_rows(HD_N, JUST_EXPANDED, seed, evaluate(expand_streams(base, 2), data, P, run))
     headline, models = {}, {n: expand_streams(base, n).to(run.device) for n in HD_CONT_NS}
     for n, model in models.items():
         train(f"hd/n={n} continued", model, lm_loss, data, continuation(P), run, seed, first_batch=P.hd_base_iters)
@@ -129,19 +129,26 @@ class HDInside(NamedTuple):
 
 
 def hd_inside_effects(n):
-    return HDInside(Effect(f"HD n={n} inside: cosine of two streams, same token vs different tokens, per layer",
-                          "Qwen3-8B HD n=8: same token 0.987 at the input, 0.637 in the middle layers, 0.783 at the "
-                          "output, above the different-token baseline (HD Fig. 6a)"),
-                   Effect(f"HD n={n} inside: the final stream's attention mass on each stream (F and L layers)",
+    return HDInside(Effect(f"hd-n{n}-cosine",
+                           f"HD n={n} inside: cosine of two streams, same token vs different tokens, per layer",
+                           "Qwen3-8B HD n=8: same token 0.987 at the input, 0.637 in the middle layers, 0.783 at the "
+                           "output, above the different-token baseline (HD Fig. 6a)"),
+                   Effect(f"hd-n{n}-mass",
+                          f"HD n={n} inside: the final stream's attention mass on each stream (F and L layers)",
                           "n=8: the final stream reads the others, stream 0 up to 0.52 (HD Fig. 6b)"),
-                   Effect(f"HD n={n} inside: the shared LM head read off every stream",
+                   Effect(f"hd-n{n}-head", f"HD n={n} inside: the shared LM head read off every stream",
                           "n=8: an intermediate stream's top-1 differs from the final stream's in up to 63% of "
                           "positions; the final stream has the lowest entropy, 2.09 bits at n=8 (HD Fig. 7)"))
 
 
 HD_INSIDE = {n: hd_inside_effects(n) for n in (2, 4)}
-SAME, DIFFERENT, LEAST_GAP = "same token", "different tokens", "where the gap is least"
-LOWEST_OTHER, DIFFERS, BITS = "lowest-entropy other stream", "top-1 differs from the final stream's", "entropy (bits)"
+SAME, DIFFERENT = Arm("same", "same token"), Arm("different", "different tokens")
+LOWEST_OTHER = Arm("lowest-other", "lowest-entropy other stream")
+LEAST_GAP, DIFFERS, BITS = "where the gap is least", "top-1 differs from the final stream's", "entropy (bits)"
+
+
+def stream_arm(k, n):
+    return Arm(f"stream{k}", stream_name(k, n))
 
 
 def state_name(l):
@@ -159,17 +166,17 @@ def hd_inside_rows(model, data, P, run, seed):
     for arm, cos in ((DIFFERENT, diff), (SAME, same)):
         rows += result_rows(cos_fx, arm, seed, {**{state_name(l): c for l, c in enumerate(cos)}, LEAST_GAP: cos[least]})
     for j, l in enumerate(cross):
-        rows += result_rows(mass_fx, f"block {l + 1} ({layout[l]})", seed,
+        rows += result_rows(mass_fx, Arm(f"block{l + 1}", f"block {l + 1} ({layout[l]})"), seed,
                             {f"on {stream_name(k, n)}": m for k, m in enumerate(mass[j])})
     for k in range(n):
-        rows += result_rows(head_fx, stream_name(k, n), seed, {DIFFERS: differs[k], BITS: bits[k]})
+        rows += result_rows(head_fx, stream_arm(k, n), seed, {DIFFERS: differs[k], BITS: bits[k]})
     return rows + result_rows(head_fx, LOWEST_OTHER, seed, {BITS: min(bits[:-1])})
 
 
 HD_INSIDE_CLAIMS = [c for n in (2, 4) for c in (
     Claim(f"HD n={n} inside: a token's streams are more alike than different tokens' at every layer",
           HD_INSIDE[n].cosine, SAME, DIFFERENT, LEAST_GAP, +1),
-    Claim(f"HD n={n} inside: the final stream has the lowest entropy", HD_INSIDE[n].head, stream_name(n - 1, n),
+    Claim(f"HD n={n} inside: the final stream has the lowest entropy", HD_INSIDE[n].head, stream_arm(n - 1, n),
           LOWEST_OTHER, BITS, -1))]
 
 
@@ -194,27 +201,28 @@ class TaHEffects(NamedTuple):
     inside: Optional[Effect] = None
 
 
-def tah_effects(task, inside=True):
+def tah_effects(tag, task, inside=True):
     return TaHEffects(
-        Effect(f"TaH: routing ({task})",
+        Effect(f"{tag}-routing", f"TaH: routing ({task})",
                "Qwen3-1.7B, avg acc: Standard 47.8, AlwaysThink 44.7, TaH 52.8 with ~6% of tokens iterated (TaH "
                "Tables 1, 9); AlwaysThink corrupts more than it corrects (Fig. 1b); decider imitates the oracle at "
                "~83% (Fig. 6)"),
-        Effect(f"TaH: decider threshold sweep ({task})", "accuracy is robust across thresholds, ~6% iterated at 0.9 "
-               "(TaH Fig. 4)"),
-        Effect(f"TaH: diagnostics ({task})",
+        Effect(f"{tag}-sweep", f"TaH: decider threshold sweep ({task})",
+               "accuracy is robust across thresholds, ~6% iterated at 0.9 (TaH Fig. 4)"),
+        Effect(f"{tag}-diagnostics", f"TaH: diagnostics ({task})",
                "overthink (false 'continue') costs about twice as much as underthink (TaH Table 10)"),
-        Effect(f"TaH inside: the tokens the decider sends on, top-1 after the first pass -> after the second ({task}; "
+        Effect(f"{tag}-inside",
+               f"TaH inside: the tokens the decider sends on, top-1 after the first pass -> after the second ({task}; "
                f"counts over the evaluation batches)",
                "Qwen3-1.7B: the predictions of the tokens that think twice change across iterations (TaH Fig. 5); "
                "one token type goes on in 17-34% of its occurrences (TaH Table 6)") if inside else None)
 
 
-TAH_FX = tah_effects("in-context lookups, answers")
-STANDARD, ALWAYS = "Standard", "AlwaysThink"
-TAH_ORACLE = "TaH, oracle routing (upper bound)"
-TAH_DECIDER = f"TaH, decider routing (threshold {TaHConfig.threshold})"  # the paper's 0.9
-TAH_ROUTER = "TaH, token-type router (2 passes for every token of a kind that can be hard)"
+TAH_FX = tah_effects("tah", "in-context lookups, answers")
+STANDARD, ALWAYS = Arm("standard", "Standard"), Arm("always", "AlwaysThink")
+TAH_ORACLE = Arm("tah-oracle", "TaH, oracle routing (upper bound)")
+TAH_DECIDER = Arm("tah-decider", f"TaH, decider routing (threshold {TaHConfig.threshold})")  # the paper's 0.9
+TAH_ROUTER = Arm("tah-router", "TaH, token-type router (2 passes for every token of a kind that can be hard)")
 # the TaH arms compared with Standard: (arm, which fine-tuned model, routing mode)
 TAH_ARMS = [(ALWAYS, "always", "always"), (TAH_ORACLE, "tah", "oracle"), (TAH_DECIDER, "tah", "decider"),
             (TAH_ROUTER, "router", "router")]
@@ -430,7 +438,7 @@ def tah_routing_rows(fx, models, ev, seed):
     for thr in (0.1, 0.3, 0.5, 0.7, 0.8, 0.95):
         sweep[thr] = ev(models["tah"], "decider", thr)[0]
     for key in ["standard"] + sorted(k for k in sweep if not isinstance(k, str)) + ["always"]:
-        arm = {"standard": STANDARD, "always": ALWAYS}.get(key, f"TaH decider, threshold {key}")
+        arm = {"standard": STANDARD, "always": ALWAYS}.get(key) or Arm(f"decider-{key}", f"TaH decider, threshold {key}")
         rows += result_rows(fx.sweep, arm, seed, {k: sweep[key][k] for k in ("iterated", "acc")})
     return rows
 
@@ -441,12 +449,12 @@ def tah_diagnostics(fx, mode, o, seed):
     share = lambda m: m.float().mean().item() if m.numel() else float("nan")
     if mode == "oracle":
         h = o["hard"]
-        return result_rows(fx.diagnostics, "TaH under the oracle", seed, {
+        return result_rows(fx.diagnostics, Arm("oracle", "TaH under the oracle"), seed, {
             "hard share of answers": share(h), "pass-1 acc, easy answers": share(o["first_ok"][~h]),
             "pass-1 acc, hard answers": share(o["first_ok"][h]), "summed acc, hard answers": share(o["ok"][h])})
     if mode == "decider":
         fp = o["went"] & ~o["hard"]  # easy answers the decider sent on
-        return result_rows(fx.diagnostics, "TaH under the decider", seed, {
+        return result_rows(fx.diagnostics, Arm("decider", "TaH under the decider"), seed, {
             "easy answers sent on": share(fp), "of those, right after pass 1": share(o["first_ok"][fp]),
             "of those, right after pass 2": share(o["ok"][fp])})
     return []
@@ -471,8 +479,9 @@ def tah_claims(fx, task):
 
 # TaH inside (TaH Figs. 5 and 7): the probes of inside.py on the lookups model just trained
 
-KINDS = {0: "other tokens (target: the next token)", 1: "one-hop queries", 2: "two-hop queries", 3: "three-hop queries"}
-QUERIES, FIXES, SENT = "every query token", "corrected - corrupted", "share of the kind sent on"
+KINDS = {0: Arm("other", "other tokens (target: the next token)"), 1: Arm("one-hop", "one-hop queries"),
+         2: Arm("two-hop", "two-hop queries"), 3: Arm("three-hop", "three-hop queries")}
+QUERIES, FIXES, SENT = Arm("queries", "every query token"), "corrected - corrupted", "share of the kind sent on"
 
 
 @torch.no_grad()
@@ -528,7 +537,7 @@ def inside_claims(fx, task):
 def plot_tah_tradeoff(summary, out, eval_set, run_dir):
     """Every TaH task's threshold sweep in the rows, one panel each."""
     sweeps = list(dict.fromkeys(s["effect"] for s in summary if s["effect"].startswith("TaH: decider threshold")))
-    return plot_sweep(summary, out, eval_set, sweeps, (STANDARD, ALWAYS))
+    return plot_sweep(summary, out, eval_set, sweeps, (STANDARD.label, ALWAYS.label))
 
 
 def copy_tah_problem(summary, out, eval_set, run_dir):

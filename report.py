@@ -1,9 +1,10 @@
 """
 The verdicts and the report of train_tiny.py, from result rows alone.
 
-A row is {effect, paper, arm, metric, seed, value}. A Claim says an arm differs from a baseline
-(another arm, or a target number) in one metric with the paper's sign; one rule (RULE) on the
-per-seed paired differences says "shown" or "not shown". The report is one markdown table per
+A row is {effect, effect_id, paper, arm, arm_id, metric, seed, value}: an Effect and an Arm each
+have an identifier, which claims match on, and a label, which the tables show. A Claim says an
+arm differs from a baseline (another arm, or a target number) in one metric with the paper's
+sign; one rule (RULE) on the per-seed paired differences says "shown" or "not shown". The report is one markdown table per
 effect (mean ± std over seeds and the difference to the effect's first arm, paired by seed),
 the verdicts, and two plots (with matplotlib): the training loss curves and TaH's
 compute-accuracy trade-off.
@@ -21,22 +22,45 @@ from trainer import loss_curves
 
 @dataclass(frozen=True)
 class Effect:
-    """One comparison of the report, with the paper's figure it is set against."""
+    """One comparison of the report, with the paper's figure it is set against. `id` is what
+    claims match rows on; `name` is the caption, free to change."""
+    id: str
     name: str
     paper: str
 
 
+@dataclass(frozen=True)
+class Arm:
+    """One arm of an effect: `id` is what claims match rows on; `label` is what the tables show."""
+    id: str
+    label: str
+
+
+def result_rows(effect, arm, seed, metrics):
+    """One row per metric of one arm's results in one seed."""
+    if not (isinstance(effect, Effect) and isinstance(arm, Arm)):
+        raise TypeError(f"result_rows takes an Effect and an Arm, got {type(effect).__name__} and {type(arm).__name__}")
+    return [dict(effect=effect.name, effect_id=effect.id, paper=effect.paper, arm=arm.label, arm_id=arm.id, metric=m,
+                 seed=seed, value=v) for m, v in metrics.items()]
+
+
 @dataclass
 class Claim:
-    """The paper says `arm` differs from `baseline` (another arm, or a target number) in `metric`
+    """The paper says `arm` differs from `baseline` (another Arm, or a target number) in `metric`
     with sign `sign` (+1: higher)."""
     name: str
     effect: Effect
-    arm: str
+    arm: Arm
     baseline: object
     metric: str
     sign: int
     margin: float = 0.0  # a non-inferiority claim: the arm may fall short of the baseline by this much
+
+    def __post_init__(self):
+        if not (isinstance(self.effect, Effect) and isinstance(self.arm, Arm)
+                and isinstance(self.baseline, (Arm, int, float))):
+            raise TypeError(f"claim {self.name!r}: an Effect, an Arm and a baseline Arm or number, got "
+                            f"{type(self.effect).__name__}, {type(self.arm).__name__}, {type(self.baseline).__name__}")
 
 
 RULE = ("shown: over >= 2 seeds, the paired difference has the paper's sign in every seed and its mean "
@@ -99,26 +123,27 @@ def pooled_cells(cells):
 
 
 def claim_deltas(rows, claim):
-    """Per-seed differences for a claim, from the rows."""
-    val = {(r["arm"], r["metric"], r["seed"]): r["value"] for r in rows if r["effect"] == claim.effect.name}
-    seeds = sorted({s for (a, m, s) in val if a == claim.arm})
-    if not isinstance(claim.baseline, str):  # a target number
-        return [val[(claim.arm, claim.metric, s)] - claim.baseline for s in seeds if (claim.arm, claim.metric, s) in val]
-    return [val[(claim.arm, claim.metric, s)] - val[(claim.baseline, claim.metric, s)]
-            for s in seeds if (claim.arm, claim.metric, s) in val and (claim.baseline, claim.metric, s) in val]
+    """Per-seed differences for a claim, from the rows, matched by the effect's and arms' ids."""
+    val = {(r["arm_id"], r["metric"], r["seed"]): r["value"] for r in rows if r["effect_id"] == claim.effect.id}
+    arm, m = claim.arm.id, claim.metric
+    seeds = sorted({s for (a, _, s) in val if a == arm})
+    if not isinstance(claim.baseline, Arm):  # a target number
+        return [val[(arm, m, s)] - claim.baseline for s in seeds if (arm, m, s) in val]
+    base = claim.baseline.id
+    return [val[(arm, m, s)] - val[(base, m, s)] for s in seeds if (arm, m, s) in val and (base, m, s) in val]
 
 
 def judge(rows, claims):
     """Every claim whose effect has rows (its suite ran), by the rule. A claim whose effect ran
     but whose arms have no rows is a bug (an arm renamed on one side): an error, not a skip."""
-    out, ran = [], {r["effect"] for r in rows}
+    out, ran = [], {r["effect_id"] for r in rows}
     for c in claims:
-        if c.effect.name not in ran:
+        if c.effect.id not in ran:
             continue
         d = claim_deltas(rows, c)
         if not d:
-            raise ValueError(f"claim {c.name!r} finds no rows of arm {c.arm!r} against {c.baseline!r} "
-                             f"in effect {c.effect.name!r}")
+            raise ValueError(f"claim {c.name!r} finds no {c.metric!r} rows of arm {c.arm.id!r} against "
+                             f"{getattr(c.baseline, 'id', c.baseline)!r} in effect {c.effect.id!r}")
         out.append(dict(claim=c.name, metric=c.metric, deltas=d, mean=float(np.mean(d)),
                         std=float(np.std(d, ddof=1)) if len(d) > 1 else 0.0, interval95=interval95(d),
                         verdict=verdict([x + c.sign * c.margin for x in d], c.sign)))

@@ -40,7 +40,7 @@ class Suite:
     """One demonstration, declared in one place; the runner reads everything else off it.
 
     protocol(P, run, seed, data) trains the arms of one seed and returns (rows, trained): rows
-    {effect, paper, arm, metric, seed, value}, and what `extra` builds on. An effect's first arm
+    (report.result_rows; claims match them by the effect's and arm's ids), and what `extra` builds on. An effect's first arm
     is the baseline its other arms are compared with, seed by seed; the report reads only rows.
     extra(P, run, seed, data, trained), on runs of every arm, trains the ablation arms after the
     protocol's, in the same (suite, seed). plots(summary, out, eval_set, run_dir) each draw one

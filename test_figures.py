@@ -25,7 +25,8 @@ def drawn(monkeypatch, tmp_path):
 
 
 def row(effect, arm, metric, mean, std=0.01):
-    return dict(effect=effect, arm=arm, metric=metric, mean=mean, std=std)
+    """A summary entry, as report.summarize writes it: the plots read labels."""
+    return dict(effect=effect, arm=getattr(arm, "label", arm), metric=metric, mean=mean, std=std)
 
 
 def has_error_bars(ax):

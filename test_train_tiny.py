@@ -486,8 +486,10 @@ def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
     md = (tmp_path / "results.md").read_text()
     effects = all_effects()
     assert len(effects) == 28  # 8 HD and MoE, TaH-3, 4 for each TaH lookups task, 3 for addition, 2 attention, 3 HD inside per n
+    assert len({e.id for e in effects}) == len(effects)
     for effect in effects:  # every effect reported, with the paper's figure in its caption
         assert f"**{effect.name}** (paper: {effect.paper})" in md, effect
+    identifiers_and_labels_name_each_other_one_to_one(json.loads(next(tmp_path.glob("run-*/rows.json")).read_text())["rows"])
     result = json.loads((tmp_path / "results.json").read_text())
     assert [v["claim"] for v in result["verdicts"]] == [c.name for c in runner.claims(tt.LAB)]  # every claim judged
     assert all(v["verdict"] == "not shown" for v in result["verdicts"])  # one seed can never show an effect
@@ -577,22 +579,22 @@ def test_hd_ablations_continue_the_n1_checkpoint_on_the_headline_batches(tmp_pat
     trained = {}
     for effect, arm, how in ablations.hd_continued_ablation_arms(P):
         if isinstance(how, dict):
-            cfg, body, batches = seen[f"hd/n=2 continued, {arm}"]
+            cfg, body, batches = seen[f"hd/n=2 continued, {arm.label}"]
             assert all(getattr(cfg, k) == v for k, v in how.items()) and cfg.n_streams == 2
             assert all(torch.equal(body[k], body2[k]) for k in body2)  # the same n=1 checkpoint
             assert len(batches) == len(batches2) == P.hd_cont_iters
             assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(batches, batches2))
         else:  # the headline's arm, its rows reused
-            trained[(effect.name, arm)] = hl.hd_cont_arm(how)
+            trained[(effect.id, arm.id)] = hl.hd_cont_arm(how).id
     assert len(seen) == 3 + sum(isinstance(h, dict) for _, _, h in ablations.hd_continued_ablation_arms(P))
-    value = {(r["effect"], r["arm"], r["metric"]): r["value"] for r in rows}
+    value = {(r["effect_id"], r["arm_id"], r["metric"]): r["value"] for r in rows}
     for (effect, arm), source in trained.items():
-        assert value[(effect, arm, "loss")] == value[(hl.HD_N.name, source, "loss")]
-    arms = {e.name: {a for (f, a, _) in value if f == e.name} for e in (ablations.HD_LAYOUTS_CONT, ablations.HD_OBJECTIVE_CONT,
-                                                                          ablations.HD_KV_CONT, ablations.HD_SCRATCH)}
+        assert value[(effect, arm, "loss")] == value[(hl.HD_N.id, source, "loss")]
+    arms = {e.id: {a for (f, a, _) in value if f == e.id} for e in (ablations.HD_LAYOUTS_CONT, ablations.HD_OBJECTIVE_CONT,
+                                                                    ablations.HD_KV_CONT, ablations.HD_SCRATCH)}
     for c in ablations.HD_ABLATION_CLAIMS:  # every claim names arms the suite writes
-        assert {c.arm, c.baseline} <= arms[c.effect.name], c.name
-    assert arms[ablations.HD_SCRATCH.name] == {arm for arm, _ in ablations.hd_scratch_arms()}
+        assert {c.arm.id, c.baseline.id} <= arms[c.effect.id], c.name
+    assert arms[ablations.HD_SCRATCH.id] == {arm.id for arm, _ in ablations.hd_scratch_arms()}
 
 
 @pytest.mark.parametrize("suite", ["tah", "tah-hidden", "tah-add"])
@@ -656,13 +658,35 @@ def test_exact_match_counts_the_problems_whose_every_answer_digit_is_right(digit
         assert got == pytest.approx(right / total)
 
 
-def test_a_claim_whose_effect_ran_but_whose_arm_has_no_rows_is_an_error():
-    rows = [dict(effect=hl.HD_N.name, paper="", arm=hl.hd_cont_arm(n), metric="loss", seed=s, value=5.0 - 0.01 * n)
-            for n in (1, 2, 4) for s in (0, 1)]
-    assert [v["claim"] for v in report.judge(rows, runner.claims(tt.LAB))] == [c.name for c in hl.HD_CLAIMS]  # other suites did not run
-    renamed = [{**r, "arm": "n=4 (renamed)"} if r["arm"] == hl.hd_cont_arm(4) else r for r in rows]
+def test_claims_match_rows_by_identifier_and_an_identifier_without_rows_is_an_error():
+    rows = [r for n in (1, 2, 4) for s in (0, 1)
+            for r in report.result_rows(hl.HD_N, hl.hd_cont_arm(n), s, {"loss": 5.0 - 0.01 * n - 0.001 * s})]
+    judged = report.judge(rows, runner.claims(tt.LAB))
+    assert [v["claim"] for v in judged] == [c.name for c in hl.HD_CLAIMS]  # other suites did not run
+    relabelled = [{**r, "effect": r["effect"] + " (renamed)", "arm": r["arm"] + " (renamed)"} for r in rows]
+    assert report.judge(relabelled, runner.claims(tt.LAB)) == judged  # labels are for readers only
+    renamed = [{**r, "arm_id": "n4-renamed"} if r["arm_id"] == hl.hd_cont_arm(4).id else r for r in rows]
     with pytest.raises(ValueError, match="n=4 beats n=1"):
         report.judge(renamed, runner.claims(tt.LAB))
+    with pytest.raises(TypeError, match="an Arm"):  # a claim names arms by Arm, never by a label
+        report.Claim("by label", hl.HD_N, hl.hd_cont_arm(2).label, hl.hd_cont_arm(1), "loss", -1)
+    with pytest.raises(TypeError, match="an Effect and an Arm"):
+        report.result_rows(hl.HD_N, "n=2 continued", 0, {"loss": 5.0})
+
+
+def identifiers_and_labels_name_each_other_one_to_one(rows):
+    """In a run's rows an (effect, arm) id names one (effect, arm) label and back; every claim's
+    arms are written by its suite."""
+    ids, labels = {}, {}
+    for r in rows:
+        ids.setdefault((r["effect_id"], r["arm_id"]), set()).add((r["effect"], r["arm"]))
+        labels.setdefault((r["effect"], r["arm"]), set()).add((r["effect_id"], r["arm_id"]))
+    assert all(len(v) == 1 for v in ids.values()) and all(len(v) == 1 for v in labels.values())
+    effects = {e for e, _ in ids}
+    for c in runner.claims(tt.LAB):  # every claim's arms are written by its suite
+        assert c.effect.id in effects, c.name
+        assert (c.effect.id, c.arm.id) in ids, c.name
+        assert not isinstance(c.baseline, report.Arm) or (c.effect.id, c.baseline.id) in ids, c.name
 
 
 def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the_spread():
@@ -683,17 +707,14 @@ def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the
 
 def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
     # the decider's "share of AlwaysThink's gain" is nan in a seed where AlwaysThink gains nothing
-    fx = hl.TAH_FX[0]
-    rows = [dict(effect=fx.name, paper="", arm=hl.STANDARD, metric="acc", seed=s, value=0.5) for s in range(3)]
-    rows += [dict(effect=fx.name, paper="", arm=hl.TAH_DECIDER, metric="share", seed=s, value=v)
-             for s, v in enumerate([0.5, float("nan"), 1.5])]
-    rows += [dict(effect=fx.name, paper="", arm=hl.TAH_DECIDER, metric="none", seed=s, value=float("nan"))
-             for s in range(3)]
-    rows += [dict(effect=fx.name, paper="", arm=hl.TAH_DECIDER, metric="acc", seed=s, value=v)
-             for s, v in enumerate([0.6, float("nan"), 0.8])]
+    fx, rr = hl.TAH_FX[0], report.result_rows
+    rows = [r for s in range(3) for r in rr(fx, hl.STANDARD, s, {"acc": 0.5})]
+    rows += [r for s, v in enumerate([0.5, float("nan"), 1.5]) for r in rr(fx, hl.TAH_DECIDER, s, {"share": v})]
+    rows += [r for s in range(3) for r in rr(fx, hl.TAH_DECIDER, s, {"none": float("nan")})]
+    rows += [r for s, v in enumerate([0.6, float("nan"), 0.8]) for r in rr(fx, hl.TAH_DECIDER, s, {"acc": v})]
     summary = report.summarize(rows)
     s = {x["metric"]: x for x in summary}
-    acc = next(x for x in summary if x["arm"] == hl.TAH_DECIDER and x["metric"] == "acc")
+    acc = next(x for x in summary if x["arm"] == hl.TAH_DECIDER.label and x["metric"] == "acc")
     assert (acc["delta_mean"], acc["delta_std"]) == pytest.approx((0.2, np.sqrt(0.02)))  # (0.1, 0.3) by hand
     assert (s["share"]["mean"], s["share"]["std"], s["share"]["n"], s["share"]["seeds"]) == (1.0, np.sqrt(0.5), 2, 3)
     md = report.table(summary, [], "")
@@ -1243,16 +1264,17 @@ def test_a_suite_registered_in_one_place_reaches_every_part_of_the_run(tmp_path,
     """A throwaway Suite, added to the Lab and nowhere else: it is a --suite choice and in
     --help, part of --suite all, planned by the probe (its stage in the progress plan), trained,
     reported (its effect's table) and judged (its claim)."""
-    fx = hl.Effect("throwaway: an arm against its base", "no paper")
+    fx = hl.Effect("throwaway", "throwaway: an arm against its base", "no paper")
+    arm, base = report.Arm("arm", "the arm"), report.Arm("base", "its base")
 
     def protocol(P, run, seed, data):
         torch.manual_seed(seed)
         model = Transformer(ModelConfig(vocab_size=data.vocab_size, block_size=P.block, n_layer=3, n_embd=32,
                                         n_head=6, n_kv_head=2, head_dim=8, n_experts=4, expert_hidden=16))
         losses = trainer.train("throwaway/arm", model, hl.lm_loss, data, P, run, seed)
-        return (hl.result_rows(fx, "base", seed, {"x": 1.0})
-                + hl.result_rows(fx, "arm", seed, {"x": 2.0 + len(losses) + seed})), {}
-    claim = report.Claim("throwaway: the arm beats its base", fx, "arm", "base", "x", +1)
+        return (hl.result_rows(fx, base, seed, {"x": 1.0})
+                + hl.result_rows(fx, arm, seed, {"x": 2.0 + len(losses) + seed})), {}
+    claim = report.Claim("throwaway: the arm beats its base", fx, arm, base, "x", +1)
     lab = replace(tt.LAB, suites=tt.LAB.suites + (runner.Suite("throwaway", protocol, [claim],
                                                                task=lambda P: tasks.Arith(P.digits), batch="tah_batch"),))
     with pytest.raises(SystemExit):

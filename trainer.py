@@ -285,7 +285,7 @@ def save(ckpt, model, opts, done, losses, meta):
 # The finished rows of a run (resume: a (suite, seed) whose rows are saved is not trained again)
 
 
-ROW_KEYS = {"suite", "effect", "paper", "arm", "metric", "seed", "value"}
+ROW_KEYS = {"suite", "effect", "effect_id", "paper", "arm", "arm_id", "metric", "seed", "value"}
 
 
 def rows_digest(rows):
