@@ -17,7 +17,8 @@ dispatches against the rows they run (4h); (5)
 TaH decode and training cost for Standard, TaH (~6% of tokens iterated) and AlwaysThink at two
 widths, and where TaH's extra cost goes; (6) on CUDA, flex_attention vs SDPA and the compiled model vs eager.
 
-    python bench.py --compile # only compiled against eager: the decode step (4g) and an HD training step (4i);
+    python bench.py --compile # only compiled against eager: the decode step (4g), an HD training step (4i) and
+                              # TaH decoding compiled per pass (4j);
                               # about a minute of compiling per row
 """
 
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from generate import TaHCache, compiled_step, lora_merged, make_caches
+from generate import TaHCache, compiled_step, generate_tah, lora_merged, make_caches
 from hd import HDConfig, HiddenDecoding, fold, full, intra, local, unfold
 from moe import GATHER_ROWS, MoE, ModelConfig, attend, attend_folded, dense_mask
 from tah import LoRALinear, TaHConfig, ThinkAtHard
@@ -516,7 +517,8 @@ def compiled_decode(cells, device, repeats, steps=32, width=64, layout="IIFLII")
     dynamic): from the same prompt and caches, greedy, the compiled step against the same model
     eager (moe_dispatch "auto": a decode step's few rows gather) and against eager with the
     loop dispatch (the dispatch before "gather"). Reports the compile time (the first compiled
-    decode less an eager one), the graphs compiled for the model (one: no recompiles across
+    decode's steps less a steady compiled decode's; the prompt runs eager, before the clock),
+    the graphs compiled for the model (one: no recompiles across
     steps), steady tokens/s, n = 4 as a share of n = 1 in each arm, and whether the tokens agree."""
     from torch._dynamo.utils import counters
 
@@ -544,9 +546,7 @@ def compiled_decode(cells, device, repeats, steps=32, width=64, layout="IIFLII")
             return torch.cat(out, 1), time.perf_counter() - t
 
         graphs = counters["stats"]["unique_graphs"]
-        t = time.perf_counter()
-        decode(model, compiled_step(model))
-        first = time.perf_counter() - t
+        first = decode(model, compiled_step(model))[1]  # its first step compiles
         arms = {"loop": (loop, loop), "eager": (model, model), "compiled": (model, compiled_step(model))}
         runs = {k: [] for k in arms}
         for _ in range(repeats):  # round-robin, as timeit
@@ -559,7 +559,7 @@ def compiled_decode(cells, device, repeats, steps=32, width=64, layout="IIFLII")
                    zip(runs["eager"], runs["compiled"], runs["loop"]))
         share = (" / ".join(f"{speed[n, B, P][k] / speed[1, B, P][k]:.0%}" for k in ("eager", "compiled"))
                  if n != 1 and (1, B, P) in speed else "")
-        rows.append([n, B, P, f"{first - sec['eager']:.0f}", graphs, *(f"{speed[n, B, P][k]:.0f}" for k in arms),
+        rows.append([n, B, P, f"{first - sec['compiled']:.0f}", graphs, *(f"{speed[n, B, P][k]:.0f}" for k in arms),
                      f"{sec['eager'] / sec['compiled']:.2f}x", f"{sec['loop'] / sec['compiled']:.2f}x", share,
                      "yes" if same else "no"])
     show(f"4g. A compiled decode step (generate.compiled_step: fullgraph, dynamic) vs eager, HD layout {layout}, "
@@ -593,9 +593,44 @@ def moe_dispatch_rows(rows_list, device, repeats, width=64, E=8, k=2):
           "auto picks (eager)"])
 
 
+def compiled_tah(P, device, repeats, steps=32, width=64, n_layer=6, modes=("always", "decider")):
+    """TaH decoding with each pass compiled (generate_tah(compile=True): tah.COMPILED_PASS) vs
+    eager, batch 1, greedy; the loop between passes stays eager. The first mode compiles the
+    graphs of both depths, the next reuses them. The decider is untrained (its passes column
+    says how many it ran)."""
+    torch.manual_seed(0)
+    cfg = TaHConfig(vocab_size=512, block_size=P + steps + 1, n_layer=n_layer, n_embd=width, n_head=12,
+                    n_kv_head=2, head_dim=width // 4, n_experts=0, ffn_hidden=3 * width, logit_topk=100,
+                    max_depth=2, kv_mirror=n_layer >= 3)
+    model = ThinkAtHard(cfg).to(device).eval()
+    idx = torch.randint(512, (1, P), device=device)
+    rows = []
+    for mode in modes:
+        def run(compile):
+            sync(device)
+            t = time.perf_counter()
+            out = generate_tah(model, idx, steps, temperature=0, mode=mode, compile=compile)
+            sync(device)
+            return out, time.perf_counter() - t
+        first = run(True)[1]
+        runs = {False: [], True: []}
+        for _ in range(repeats):
+            for c in runs:
+                runs[c].append(run(c))
+        sec = {c: statistics.median(s for _, s in v) for c, v in runs.items()}
+        same = all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for (a, _), (b, _) in zip(*runs.values()))
+        passes = runs[False][0][0][1][:, P:].float().mean().item()
+        rows.append([mode, f"{passes:.2f}", f"{first - sec[True]:.0f}", f"{steps / sec[False]:.0f}",
+                     f"{steps / sec[True]:.0f}", f"{sec[False] / sec[True]:.2f}x", "yes" if same else "no"])
+    show(f"4j. TaH decoding with each pass compiled (generate_tah(compile=True)) vs eager, {n_layer}-layer dense "
+         f"backbone, width {width}, batch 1, a {P}-token prompt, {steps} greedy tokens", rows,
+         ["mode", "passes per new token", "compile time (s)", "eager (tokens/s)", "compiled (tokens/s)",
+          "compiled / eager", "same tokens"])
+
+
 def compiled_training(L, ns, device, repeats, B=4, width=64, layout="IIFLII"):
     """An HD training step (forward, loss, backward) compiled (fullgraph) against eager, with
-    the compile time (the first compiled step less an eager one)."""
+    the compile time (the first compiled step less a steady one)."""
     rows = []
     for n in ns:
         torch.manual_seed(0)
@@ -607,7 +642,7 @@ def compiled_training(L, ns, device, repeats, B=4, width=64, layout="IIFLII"):
         train_step(compiled, idx)()
         first = time.perf_counter() - t
         r = timeit({"eager": train_step(model, idx), "compiled": train_step(compiled, idx)}, repeats, device)
-        rows.append([n, f"{first - r['eager']:.0f}", f"{r['eager'] * 1e3:.1f}", f"{r['compiled'] * 1e3:.1f}",
+        rows.append([n, f"{first - r['compiled']:.0f}", f"{r['eager'] * 1e3:.1f}", f"{r['compiled'] * 1e3:.1f}",
                      f"{r['eager'] / r['compiled']:.2f}x"])
     show(f"4i. A compiled HD training step (torch.compile, fullgraph) vs eager, layout {layout}, width {width}, "
          f"L={L} x B={B}", rows, ["n", "compile time (s)", "eager (ms)", "compiled (ms)", "compiled / eager"])
@@ -643,7 +678,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int,
                     help="timed repeats per arm, their median reported (default: 15; 3 with --quick)")
     ap.add_argument("--compile", action="store_true",
-                    help="only compiled vs eager: 4g, the decode step, and 4i, an HD training step (a compile per row)")
+                    help="only compiled vs eager: 4g, the decode step, 4i, an HD training step (a compile per row), "
+                         "and 4j, TaH decoding compiled per pass")
     ap.add_argument("--cuda", action="store_true",
                     help="only the sections a GPU answers: HD serving on CUDA and the CUDA section (gpu_check.sh)")
     args = ap.parse_args(argv)
@@ -663,6 +699,8 @@ def main(argv=None):
         compiled_decode([(1, 1, 64), (4, 1, 64), (1, 16, 512), (4, 16, 512)] if not q else [(1, 1, 8), (4, 1, 8)],
                         device, rep, steps=4 if q else 32, layout=layout)
         compiled_training(16 if q else 128, [4] if q else [1, 4], device, rep, layout=layout)
+        compiled_tah(8 if q else 64, device, rep, steps=4 if q else 32, n_layer=1 if q else 6,
+                     modes=("decider",) if q else ("always", "decider"))
         return
     if args.cuda:
         hd_serving({"short": 64, "long": 2048}, (1, 4, 16, 64), device, rep, steps=16, width=512)
@@ -675,7 +713,7 @@ def main(argv=None):
     hd_serving({"short": 8, "long": 32} if q else {"short": 64, "long": 512}, (1, 4) if q else (1, 4, 16, 64),
                device, rep, steps=2 if q else 8)
     decode_vs_prompt(72 if q else 4096 + 8, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
-    decode_profile((8, 32) if q else (64, 1016), (1,) if q else (1, 16), device, steps=2 if q else 8)
+    decode_profile((8,) if q else (64, 1016), (1,) if q else (1, 16), device, steps=2 if q else 8)
     gqa_decode((64,) if q else (512, 4096), device, rep)
     moe_dispatch_rows((1, 4, 16, 64) if q else (1, 2, 4, 8, 16, 32, 64, 128, 512, 4096), device, rep)
     window_layer(72 if q else 4096 + 32, (1,) if q else (1, 16), device, rep, steps=2 if q else 32)

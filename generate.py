@@ -251,15 +251,29 @@ def lora_merged(model):
 
 
 @torch.no_grad()
-def generate_tah(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None, mode="decider"):
+def generate_tah(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None, mode="decider",
+                 compile=False):
     """Token-by-token decoding of a ThinkAtHard; the decider (or "standard"/"always") sets each
     token's depth. Returns (tokens (B, T + new), passes of every token that entered the model
-    (B, T + new - 1))."""
+    (B, T + new - 1)). compile: each pass runs compiled (ThinkAtHard.compile_passes, for this
+    call), the loop between passes eager."""
     check_tah(model, "generate_tah")
     check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
     check_generator(generator)
     if mode == "oracle":
         raise ValueError("generate cannot use mode 'oracle': it needs the reference labels of unseen tokens")
+    if compile is not True and compile is not False:
+        raise ValueError(f"compile must be True or False, got {compile!r}")
+    was = model.passes_compiled
+    try:
+        return tah_decode(model.compile_passes(compile or was), idx, max_new_tokens, temperature, sample_top_k,
+                          generator, mode)
+    finally:
+        model.compile_passes(was)
+
+
+def tah_decode(model, idx, max_new_tokens, temperature, sample_top_k, generator, mode):
+    """generate_tah's loop: the prompt in one forward, then one forward per new token."""
     B, T = idx.shape
     cache = TaHCache(model, B, idx.device)
     tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # written in place

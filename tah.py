@@ -14,7 +14,8 @@ README) counts passes from 1: pass p is depth p - 1, and "i.p" is token i in pas
   the key exists only if token j reached depth k (k < D_j). RoPE position of (i, d) is i. The
   K/V of all depths are concatenated, so depth d of every token runs in parallel.
 - Depth-wise forward: depth 0 runs every token; depth d >= 1 runs only the tokens that go on,
-  gathered (left-packed per row), with one LoRA adapter switched on (§4.2, Eq. 6).
+  gathered (left-packed per row), with one LoRA adapter switched on (§4.2, Eq. 6). Each pass
+  compiles whole (compile_passes); the loop between passes cannot, as its shapes are the decider's.
 - Next-iteration input: softmax over the top-k (100) of the running summed logits, times the
   matching embedding rows (Eq. 4). Output logits: the sum over the depths a token ran.
 - Iteration decider: an MLP on hidden states of a few layers and the top-k logit values;
@@ -284,10 +285,19 @@ class ThinkAtHard(nn.Module):
         add_lora(self.backbone.blocks, cfg.lora_rank, cfg.lora_alpha)
         self.decider = Decider(cfg)
         self.loras = [m for m in self.backbone.modules() if isinstance(m, LoRALinear)]  # not a ModuleList: no new names
+        self.passes_compiled = False  # compile_passes: run_pass under torch.compile
 
     def set_lora(self, active):
         for m in self.loras:
             m.active = active
+
+    def compile_passes(self, on=True):
+        """From now on each pass runs through COMPILED_PASS: run_pass under torch.compile, one
+        graph per depth, the cache's length a symbolic size. The depth loop between passes stays
+        eager: the tokens that go on (route, batch_rows, select) and the slots their logits land
+        in (accumulate) are shapes read off the decider's scores, so a graph breaks at each."""
+        self.passes_compiled = on
+        return self
 
     def forward(self, idx, targets=None, mode="standard", depths=None, cache=None, features=False, threshold=None):
         """Depth-wise forward of idx (B, T) under a routing mode:
@@ -308,7 +318,8 @@ class ThinkAtHard(nn.Module):
         x = self.backbone.wte(idx)
         passes = []
         for d in range(cfg.max_depth):
-            h, kept = self.run_pass(x, start + sel, d, valid, cache, subset)
+            h, kept = (COMPILED_PASS if self.passes_compiled else ThinkAtHard.run_pass)(self, x, start + sel, d, valid,
+                                                                                        cache, subset)
             kept[cfg.n_layer] = self.backbone.norm_f(h)  # the last state after the final norm, as the authors'
             logits = self.backbone.lm_head(kept[cfg.n_layer])  # (B', Tq, V)
             summed, ran = self.accumulate(summed, ran, logits, rows, sel, valid, d)
@@ -454,6 +465,9 @@ class ThinkAtHard(nn.Module):
         # BCE-with-logits where only the continue term carries the weight: w c log s + (1 - c) log(1 - s)
         loss = -(weights * labels * F.logsigmoid(scores) + (1 - labels) * F.logsigmoid(-scores)).mean()
         return loss, scores, labels
+
+
+COMPILED_PASS = torch.compile(ThinkAtHard.run_pass, fullgraph=True, dynamic=True)  # compiles at its first call
 
 
 # -----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import bench
+import tah
 
 
 def test_quick_bench_prints_every_section(capfd):
@@ -20,15 +21,18 @@ def test_quick_bench_prints_every_section(capfd):
 
 
 def test_compile_sections_trace_one_graph_per_row_and_compare_tokens(capfd, monkeypatch):
-    """bench.py --compile --quick: 4g and 4i run, each decode row compiles one graph, and the
+    """bench.py --compile --quick: 4g, 4i and 4j run, each decode row compiles one graph, and the
     compiled greedy tokens equal eager's. Compiled with dynamo's "eager" backend: its tracing
     decides graphs and recompiles, in seconds; test_compile.py compiles with inductor and aot_autograd."""
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda model, **kw: real(model, **{**kw, "backend": "eager"}))
+    monkeypatch.setattr(tah, "COMPILED_PASS", torch.compile(tah.ThinkAtHard.run_pass, fullgraph=True, dynamic=True))
     torch._dynamo.reset()
     bench.main(["--compile", "--quick", "--repeats", "1"])
     out, _ = capfd.readouterr()
     assert "4g. A compiled decode step" in out and "4i. A compiled HD training step" in out
+    tah_rows = [r for r in out.splitlines() if r.startswith(("| always |", "| decider |"))]
+    assert len(tah_rows) == 1 and all(r.endswith("| yes |") for r in tah_rows), tah_rows
     rows = [r for r in out.splitlines() if r.startswith("| 1 | 1 | 8 |") or r.startswith("| 4 | 1 | 8 |")]
     assert len(rows) == 2 and all(r.split(" | ")[4] == "1" and r.endswith("| yes |") for r in rows), rows
 

@@ -1,6 +1,8 @@
 """torch.compile takes the models whole: the cached decode step and the training step of
 moe.Transformer and hd.HiddenDecoding compile with fullgraph=True (no graph break), the decode
 step compiles once for every step after it, and generate(..., compile=True) gives eager's tokens.
+TaH compiles per pass (ThinkAtHard.compile_passes): each pass is one graph, and the decode steps
+reuse them.
 
 Dynamo's tracing decides graph breaks and recompiles, whatever backend runs the graph, so most
 tests trace with the "eager" backends (seconds); one compiles with inductor, as users get it.
@@ -15,6 +17,8 @@ from torch._dynamo.utils import counters
 from generate import compiled_step, generate, make_caches
 from hd import HDConfig, HiddenDecoding
 from moe import ModelConfig, Transformer
+import tah
+from generate import generate_tah
 
 TINY = dict(vocab_size=64, block_size=48, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8,
             n_experts=4, top_k=2, expert_hidden=32, window=4)
@@ -109,3 +113,47 @@ def test_generate_compile_must_be_a_bool():
     model = tiny("moe").eval()
     with pytest.raises(ValueError, match="compile must be True or False"):
         generate(model, torch.zeros(1, 2, dtype=torch.long), 2, compile="yes")
+
+
+def tiny_tah(**kw):
+    cfg = {k: v for k, v in TINY.items() if k != "window"}
+    return tah.ThinkAtHard(tah.TaHConfig(**{**cfg, "n_experts": 0, "ffn_hidden": 48, "logit_topk": 16, **kw}))
+
+
+def test_tah_compiles_each_pass_whole_and_decoding_reuses_the_passes_graphs(monkeypatch):
+    """fullgraph per pass (tah.COMPILED_PASS, here on tracing backends): training (oracle depths,
+    forward and backward) equals eager, and decoding compiles a fixed set of graphs (depth, first cache write, one query row or more)
+    that every later step reuses: 30 steps compile what 10 did, and give eager's tokens."""
+    torch.manual_seed(0)
+    model = tiny_tah(n_layer=1, kv_mirror=False)  # symbolic shapes cost seconds per layer to trace
+    idx, tgt = torch.randint(64, (2, 8)), torch.randint(64, (2, 8))
+    depths = torch.randint(1, 3, (2, 8))
+    eager = model(idx, tgt, mode="oracle", depths=depths)
+    eager.loss.backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    counter = CompileCounterWithBackend("aot_eager")  # autograd traced too; training's shapes are fixed
+    monkeypatch.setattr(tah, "COMPILED_PASS", torch.compile(tah.ThinkAtHard.run_pass, backend=counter,
+                                                            fullgraph=True, dynamic=False))
+    out = model.compile_passes()(idx, tgt, mode="oracle", depths=depths)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, eager.loss)
+    for k, p in model.named_parameters():
+        if k in want:
+            torch.testing.assert_close(p.grad, want[k], atol=1e-6, rtol=1e-5)
+    assert counter.frame_count >= 2  # the passes ran compiled (depth 0 and 1)
+    counter = CompileCounter()  # decoding: dynamo's tracing alone
+    monkeypatch.setattr(tah, "COMPILED_PASS", torch.compile(tah.ThinkAtHard.run_pass, backend=counter,
+                                                            fullgraph=True, dynamic=True))
+    model.compile_passes(False).eval()
+    tokens, passes = generate_tah(model, idx, 10, temperature=0, mode="always")
+    frames = counter.frame_count
+    got = generate_tah(model, idx, 10, temperature=0, mode="always", compile=True)
+    assert torch.equal(got[0], tokens) and torch.equal(got[1], passes) and not model.passes_compiled
+    after_10 = counter.frame_count
+    assert after_10 > frames
+    long = generate_tah(model, idx, 30, temperature=0, mode="always", compile=True)
+    assert counter.frame_count == after_10, "a later decode step compiled again"
+    assert torch.equal(long[0][:, :18], tokens)
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        generate_tah(model, idx, 2, compile=1)

@@ -4,6 +4,7 @@ gathered depths, MoE dispatch): each analytical gradient equals the finite-diffe
 
 import pytest
 import torch
+from torch.autograd.gradcheck import GradcheckError
 from torch.func import functional_call
 
 from generate import generate, generate_tah
@@ -21,12 +22,15 @@ def batch(seed, B=2, T=5, V=11):
 
 
 def gradcheck_wrt(model, name, loss_of_model):
-    """gradcheck of loss_of_model(model) as a function of the parameter called `name`."""
+    """gradcheck of loss_of_model(model) as a function of the parameter called `name`. Fast mode
+    compares u^T J v for random u, v (a central difference along v against the backward's
+    vector-Jacobian product): a wrong gradient fails it almost surely, at the cost of two
+    evaluations instead of two per weight."""
     w = dict(model.named_parameters())[name].detach().clone().requires_grad_(True)
 
     def f(w):
         return loss_of_model(lambda *a, **k: functional_call(model, {name: w}, a, k))
-    assert torch.autograd.gradcheck(f, (w,), eps=1e-6, atol=1e-5, rtol=1e-4)
+    assert torch.autograd.gradcheck(f, (w,), eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=True)
 
 
 # -----------------------------------------------------------------------------
@@ -123,3 +127,19 @@ def test_gradcheck_moe_dispatch():
     idx, tgt = batch(6)
     for name in ("blocks.1.ffn.w_gate_up", "blocks.1.ffn.w_down", "blocks.1.ffn.router.weight"):
         gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])
+
+
+def test_the_fast_gradcheck_fails_a_gradient_one_percent_off():
+    """The check above can fail: the MoE's router gradient scaled by 1.01 on its way back."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**TINY, moe_dispatch="loop")).double()
+    idx, tgt = batch(6)
+    name = "blocks.1.ffn.router.weight"
+    w = dict(model.named_parameters())[name].detach().clone().requires_grad_(True)
+
+    def f(w):
+        w = w + 0.0
+        w.register_hook(lambda g: None if g is None else 1.01 * g)
+        return functional_call(model, {name: w}, (idx, tgt))[1]
+    with pytest.raises(GradcheckError):
+        torch.autograd.gradcheck(f, (w,), eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=True)

@@ -472,16 +472,28 @@ def test_jobs_default_to_the_cores_per_thread_and_refuse_torchrun(monkeypatch, c
     assert "under torchrun give --jobs 1" in capsys.readouterr().err
 
 
-def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
-    stages, real = [], trainer.train
+SMOKE = ["--smoke", "--ckpt-every", "1", "--jobs", "1"]  # one process: a patched train is the one used
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One `--smoke` run (every suite with every arm), shared by the tests that read it: its
+    out folder, the stages it trained and the stages its progress line planned."""
+    out, stages, real = tmp_path_factory.mktemp("smoke"), [], trainer.train
 
     def counting(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
         if args.probe is None:  # the real stages, not the planning probe's
             stages.append((name, P.iters))
         return real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
-    patch_train(monkeypatch, counting)
-    tt.main(["--smoke", "--jobs", "1", "--out", str(tmp_path)])  # one process: the patched train is the one used
-    assert trainer.PROGRESS.planned == stages  # the progress line's plan is what the suites ran
+    with pytest.MonkeyPatch.context() as mp:
+        patch_train(mp, counting)
+        tt.main(SMOKE + ["--out", str(out)])
+    return out, stages, list(trainer.PROGRESS.planned)
+
+
+def test_smoke_runs_every_suite_and_writes_results(smoke_run):
+    tmp_path, stages, planned = smoke_run
+    assert planned == stages  # the progress line's plan is what the suites ran
     assert {s.split("/")[0] for s, _ in stages} == set(tt.LAB.names())
     md = (tmp_path / "results.md").read_text()
     effects = all_effects()
@@ -495,7 +507,7 @@ def test_smoke_runs_every_suite_and_writes_results(tmp_path, monkeypatch):
     assert all(v["verdict"] == "not shown" for v in result["verdicts"])  # one seed can never show an effect
     assert "With one seed the rule cannot say shown" in md and "(one seed)" in md
     assert not list(tmp_path.glob("run-*/ckpt"))  # --smoke removes its checkpoints once reported
-    tt.main(["--smoke", "--jobs", "1", "--out", str(tmp_path)])  # a second run finds every suite done
+    tt.main(SMOKE + ["--out", str(tmp_path)])  # a second run finds every suite done
     assert (tmp_path / "results.md").read_text().split("\n", 1)[1] == md.split("\n", 1)[1]
 
 
@@ -979,31 +991,32 @@ def test_the_run_key_changes_with_the_data_content(tmp_path):
     assert len(list((tmp_path / "out").glob("run-*"))) == 2  # the edited file was not taken as done
 
 
-@pytest.mark.parametrize("suite, arm, step", [
-    ("moe", "moe/bias update on", 2), ("moe", "moe/bias update off", 1), ("tah", "tah/TaH stage 1", 2),
-    ("hd", "hd/n=2 continued", 1), ("tah-hidden", "tah-hidden/token-type router", 2),
-    ("tah3", "tah3/TaH-3, iterated labels (max 3 passes) stage 1", 1),
-    ("all", "hd/n=2 continued, objective sum", 1)])  # one kill per suite family
-def test_every_reported_number_is_the_same_after_a_kill_and_resume(tmp_path, monkeypatch, suite, arm, step):
-    base = ["--smoke", "--suite", suite, "--ckpt-every", "1", "--jobs", "1"]  # one process: the patch reaches it
-    tt.main(base + ["--out", str(tmp_path / "straight")])
+KILLS = [("moe/bias update on", 2), ("moe/bias update off", 1), ("tah/TaH stage 1", 2), ("hd/n=2 continued", 1),
+         ("tah-hidden/token-type router", 2), ("tah3/TaH-3, iterated labels (max 3 passes) stage 1", 1),
+         ("hd/n=2 continued, objective sum", 1)]  # one kill per suite family, and an ablation arm
+
+
+def test_every_reported_number_is_the_same_after_a_kill_and_resume(tmp_path, monkeypatch, smoke_run):
+    """One run of every suite and arm, killed at each of KILLS in turn and resumed after each,
+    reports what the run never killed (smoke_run) reports."""
     real, killed = trainer.train, []
 
     class Killed(Exception):
         pass
 
-    def dies_once(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
+    def dies_once_at_each(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
         def kill(done):
-            if name == arm and done == step and not killed:
-                killed.append(done)
+            if (name, done) in KILLS and (name, done) not in killed:
+                killed.append((name, done))
                 raise Killed
         return real(name, model, loss_fn, data, P, args, seed, on_step=kill, **kw)
-    patch_train(monkeypatch, dies_once)
-    with pytest.raises(Killed):
-        tt.main(base + ["--out", str(tmp_path / "resumed")])
-    tt.main(base + ["--out", str(tmp_path / "resumed")])
-    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("straight", "resumed"))
-    assert killed and a["summary"] == b["summary"] and a["verdicts"] == b["verdicts"]
+    patch_train(monkeypatch, dies_once_at_each)
+    for _ in range(len(KILLS)):
+        with pytest.raises(Killed):
+            tt.main(SMOKE + ["--out", str(tmp_path)])
+    tt.main(SMOKE + ["--out", str(tmp_path)])
+    a, b = (json.loads((d / "results.json").read_text()) for d in (smoke_run[0], tmp_path))
+    assert sorted(killed) == sorted(KILLS) and a["summary"] == b["summary"] and a["verdicts"] == b["verdicts"]
 
 
 def test_compile_trains_through_the_compiled_models_and_matches_eager(tmp_path, monkeypatch):
@@ -1098,10 +1111,10 @@ def test_averaging_over_ranks_leaves_a_parameter_no_rank_has_a_gradient_for_unto
         dist.destroy_process_group()
 
 
-def test_muon_runs_every_suite(tmp_path):
+def test_muon_trains_every_model_class(tmp_path):
     """TaH's stage 2 trains only the decider, which has no matrix inside the blocks: Muon gets
     nothing there and AdamW takes the rest."""
-    tt.main(["--preset", "smoke", "--suite", ",".join(tt.LAB.names()), "--muon", "--out", str(tmp_path)])  # every suite
+    tt.main(["--preset", "smoke", "--suite", "hd,tah,moe", "--muon", "--out", str(tmp_path)])  # every model class
     assert json.loads((tmp_path / "results.json").read_text())["verdicts"]
 
 
