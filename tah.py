@@ -49,16 +49,14 @@ class TaHConfig(ModelConfig):
     """The backbone's fields (moe.ModelConfig) plus:
 
     max_depth:      most passes a token may run (the paper's d_max; 2 in all its recipes).
-    lora_rank:      rank r of the LoRA adapter active at depth >= 1.
-    lora_alpha:     LoRA scale numerator (the update is alpha / r * B A x).
+    lora_rank, lora_alpha: rank r and scale numerator of the LoRA adapter at depth >= 1 (alpha / r * B A x).
     logit_topk:     logits kept for the next-iteration input and the decider (paper: 100); not
                     the MoE's top_k (routed experts per token).
     threshold:      decider continues a token iff sigmoid(score) > threshold (paper: 0.9).
-    decider_layers: hidden states that feed the decider, indexed as the authors' code indexes
-                    them (Hugging Face's output_hidden_states): 0 is the pass's input (the
-                    embedding at depth 0), l < n_layer the output of block l - 1, n_layer the
-                    last block's after the final norm; () = (0, n_layer // 2, n_layer), the
-                    input, a middle and the final state (duplicates dropped).
+    decider_layers: hidden states that feed the decider, indexed as the authors' code does
+                    (Hugging Face's output_hidden_states): 0 the pass's input (the embedding at
+                    depth 0), l < n_layer block l - 1's output, n_layer the last block's after the
+                    final norm; () = (0, n_layer // 2, n_layer), duplicates dropped.
     decider_hidden: width of the decider MLP.
     attention:      "duo" (Eq. 5), or the ablations "first_depth" (every depth reads depth-0
                     keys only, the paper's Table 2 alternative) and "depth_local" (each depth
@@ -82,9 +80,7 @@ class TaHConfig(ModelConfig):
 
     @property
     def decider_states(self):
-        """The hidden-state indices the decider reads: decider_layers, or by default (empty) the
-        input, a middle and the final state, (0, n_layer // 2, n_layer) with duplicates dropped.
-        (Resolved here, not written back, so the config copies and replaces like any dataclass.)"""
+        """decider_layers, or its default (resolved here, not written back: the config replaces as any dataclass)."""
         return tuple(self.decider_layers) or tuple(dict.fromkeys((0, self.n_layer // 2, self.n_layer)))
 
 
@@ -171,9 +167,8 @@ class DeciderInput:
 
 
 class Decider(nn.Module):
-    """score = MLP([h_l for l in decider_states] ++ W topk_values), one per state (§4.2). Returns
-    the raw score (a logit): the token goes on iff sigmoid(score) > threshold, and stage 2
-    trains it with a BCE on logits."""
+    """score = MLP([h_l for l in decider_states] ++ W topk_values), one per state (§4.2): a logit;
+    the token goes on iff sigmoid(score) > threshold, and stage 2 trains it with a BCE on logits."""
 
     def __init__(self, cfg: TaHConfig):
         super().__init__()
@@ -194,11 +189,9 @@ class Decider(nn.Module):
 
 class DepthKV:
     """The K/V of every (position, depth) state a forward has computed, per layer, and their
-    lookups: position, depth and whether the state exists, (B, rows) each. The K/V of all depths
-    are concatenated (§4.1): each pass appends its rows and attends to all of them under the
-    duo-causal mask. Every batch row gets the same row slots per pass; a batch row the pass
-    skips (or a padded query) leaves its slots marked absent, and the mask reads positions and
-    depths, not row order.
+    lookups (position, depth, exists), (B, rows) each. Each pass appends its rows (the depths' K/V
+    concatenated, §4.1) and attends to all under the duo-causal mask; a batch row it skips, or a
+    padded query, leaves its slots marked absent, as the mask reads positions and depths.
 
     Why two caches: training needs every pass's K/V in the autograd graph, so this one grows
     by concatenation; decoding (generate.TaHCache) writes preallocated buffers in place. The
@@ -247,10 +240,9 @@ class LayerKV:
 
 @dataclass
 class DepthPass:
-    """What one depth computed: the batch rows it ran, rows (B',) (every row at depth 0; deeper,
-    those with a token going on), query rows sel (B', Tq) token indices, valid (B', Tq), final
-    hidden states (B', Tq, C), its logits (B', Tq, V), the decider's inputs and raw scores
-    (B', Tq) where computed."""
+    """What one depth computed: the batch rows it ran, rows (B',) (deeper than 0, those with a token
+    going on), query rows sel (B', Tq) token indices, valid (B', Tq), final hidden states (B', Tq,
+    C), its logits (B', Tq, V), the decider's inputs and raw scores (B', Tq) where computed."""
     depth: int
     rows: torch.Tensor
     sel: torch.Tensor
@@ -292,10 +284,9 @@ class ThinkAtHard(nn.Module):
             m.active = active
 
     def compile_passes(self, on=True):
-        """From now on each pass runs through COMPILED_PASS: run_pass under torch.compile, one
-        graph per depth, the cache's length a symbolic size. The depth loop between passes stays
-        eager: the tokens that go on (route, batch_rows, select) and the slots their logits land
-        in (accumulate) are shapes read off the decider's scores, so a graph breaks at each."""
+        """Each pass through COMPILED_PASS from now on (run_pass compiled, the cache's length a symbolic
+        size). The loop between passes stays eager: the tokens that go on (route, batch_rows, select)
+        and their logits' slots (accumulate) are shapes read off the decider's scores, a graph break each."""
         self.passes_compiled = on
         return self
 
@@ -395,10 +386,9 @@ class ThinkAtHard(nn.Module):
     # -- training objectives (§4.3) -------------------------------------------------
 
     def batch_rows(self, active):
-        """The batch rows a deeper pass runs: None = every row (gather=False, the reference,
-        which computes every token); else, with gather=True, the rows with a token going on,
-        (B',), possibly none. A row with nothing to do costs nothing: in batched decoding the
-        second pass runs only the rows whose token continues."""
+        """The batch rows a deeper pass runs: None = every row (gather=False, the reference, which
+        computes every token); else (gather=True) the rows with a token going on, (B',), possibly
+        none: in batched decoding the second pass runs only the rows whose token continues."""
         if not self.cfg.gather:
             return None if active.any() else active.new_zeros(0, dtype=torch.long)
         rows = active.any(1).nonzero().squeeze(1)  # one wait for the device, as the dynamic shape needs
@@ -475,14 +465,13 @@ COMPILED_PASS = torch.compile(ThinkAtHard.run_pass, fullgraph=True, dynamic=True
 
 
 def oracle_depths(ref_logits, targets, max_depth, response=None):
-    """Passes per token from a reference model: 1 if its top-1 prediction is the target, else
-    deeper. Only positions with a target (not -1) whose input token is in the response
-    (response (B, T) bool; None: every position) can be hard: the authors label prompt tokens
-    easy, including the last one, which predicts the first response token. max_depth == 2:
-    hard tokens get 2 (Eq. 7). max_depth > 2: within each sample, the hard tokens sorted by
-    reference CE, highest first, are cut into max_depth - 1 bins of equal size, the first bins
-    one larger when the count does not divide (the authors' original quantile binning, App.
-    A.2.1): bin k runs max_depth - k passes, so higher CE goes deeper."""
+    """Passes per token from a reference model: 1 if its top-1 prediction is the target, else deeper.
+    Only positions with a target (not -1) whose input token is in the response (response (B, T)
+    bool; None: every position) can be hard: the authors label prompt tokens easy, the last one
+    (which predicts the first response token) too. max_depth == 2: hard tokens get 2 (Eq. 7).
+    max_depth > 2: within each sample, the hard tokens sorted by reference CE, highest first, are
+    cut into max_depth - 1 equal bins, the first bins one larger when the count does not divide
+    (the authors' quantile binning, App. A.2.1): bin k runs max_depth - k passes."""
     check_oracle(ref_logits, targets, max_depth, response)
     hard = (ref_logits.argmax(-1) != targets) & (targets >= 0)
     if response is not None:
