@@ -3,9 +3,11 @@
 #   1. the CUDA tests (python -m pytest -m cuda): flex_attention forward and backward equal to
 #      the dense reference for every HD mask (also under the KV-mirror skip) and for TaH's
 #      duo-causal mask, a bf16 training step, the compiled model equal to eager;
-#   2. bench.py --cuda: HD serving (decode throughput of n=4 vs n=1, HD Figure 5, and against
-#      prompt length up to 4096 tokens) at width 512,
-#      flex_attention vs SDPA, the compiled HD model vs eager.
+#   2. bench.py --cuda --repeats 5, most wanted first: flex_attention vs SDPA (6a); the default
+#      CUDA run's compiled training step against eager, from one init on the same batches, their
+#      losses step by step and the time per step (6b); the compiled decode step vs eager (4g);
+#      HD serving (decode throughput of n=4 vs n=1, HD Figure 5, and against prompt length up to
+#      4096 tokens), all at width 512.
 # Writes out/gpu_check.md (and prints it).
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -20,12 +22,12 @@ report=out/gpu_check.md
     echo
     echo "## CUDA tests: python -m pytest -q -m cuda"
     echo '```'
-    timeout 300 python -m pytest -q -m cuda 2>&1 | tail -40
+    timeout 200 python -m pytest -q -m cuda 2>&1 | tail -40
     echo "exit status: ${PIPESTATUS[0]}"
     echo '```'
     echo
-    echo "## python bench.py --cuda"
-    timeout 270 python bench.py --cuda 2>&1
+    echo "## python bench.py --cuda --repeats 5"
+    PYTHONUNBUFFERED=1 timeout 330 python bench.py --cuda --repeats 5 2>&1
     echo "exit status: $?"
 } > "$report" 2>&1
 cat "$report"

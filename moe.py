@@ -270,7 +270,7 @@ class MoE(nn.Module):
         if N * self.cfg.top_k <= GATHER_ROWS:
             return "gather"
         aligned = all(n * dt.itemsize % 16 == 0 for n in (self.cfg.n_embd, self.cfg.expert_hidden))
-        ok = dt != torch.float64 if dev == "cpu" else dt == torch.bfloat16  # grouped_mm's dtypes
+        ok = hasattr(F, "grouped_mm") and (dt != torch.float64 if dev == "cpu" else dt == torch.bfloat16)
         return "grouped_mm" if aligned and ok else "loop"
 
     def gathered(self, x, idx):
