@@ -17,17 +17,18 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 
 fi
 mkdir -p out
 report=out/gpu_check.md
-{
-    echo "# gpu_check.sh on $(python -c 'import torch; print(torch.cuda.get_device_name(), "torch", torch.__version__)'), $(date -u '+%F %H:%M UTC')"
-    echo
-    echo "## CUDA tests: python -m pytest -q -m cuda"
-    echo '```'
-    timeout 200 python -m pytest -q -m cuda 2>&1 | tail -40
-    echo "exit status: ${PIPESTATUS[0]}"
-    echo '```'
-    echo
-    echo "## python bench.py --cuda --repeats 5"
-    PYTHONUNBUFFERED=1 timeout 330 python bench.py --cuda --repeats 5 2>&1
-    echo "exit status: $?"
-} > "$report" 2>&1
+# Each step writes straight to the report, under a time limit that ends in SIGKILL (-k): a process
+# stuck in a device call, or a compile worker that outlives its parent, can neither outlast the
+# limit nor hold a pipe open (an earlier form, `timeout 200 pytest | tail`, ran past every limit).
+step() {  # step TITLE LIMIT_S COMMAND...
+    local title=$1 limit=$2
+    shift 2
+    { echo; echo "## $title"; echo '```'; } >> "$report"
+    PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$@" >> "$report" 2>&1
+    local rc=$?
+    { echo '```'; echo "exit status: $rc$([ $rc -ge 124 ] && echo " (stopped at its ${limit}-s limit)")"; } >> "$report"
+}
+echo "# gpu_check.sh on $(python -c 'import torch; print(torch.cuda.get_device_name(), "torch", torch.__version__)'), $(date -u '+%F %H:%M UTC')" > "$report"
+step "CUDA tests: python -m pytest -q -m cuda" 200 python -m pytest -q -m cuda -p no:cacheprovider
+step "python bench.py --cuda --repeats 5" 330 python bench.py --cuda --repeats 5
 cat "$report"
