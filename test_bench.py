@@ -38,6 +38,24 @@ def test_compile_sections_trace_one_graph_per_row_and_compare_tokens(capfd, monk
 
 
 
+def test_compiled_training_section_compares_the_two_runs_loss_by_loss(capfd, monkeypatch):
+    """6b (gpu_check.sh's compiled-training check), run here on the CPU: from one init on the same
+    batches, eager and "compiled" train step for step; "agree" when every step's losses are within
+    the tolerance, and "DISAGREE" when the compiled arm's loss is off by 5%. The "compiled" model is
+    the model itself, its loss scaled: what is tested is the comparison (test_compile.py compiles)."""
+    def off_by(scale):
+        def compile_(model, **kw):
+            return lambda x, y: (lambda logits, loss: (logits, loss * scale))(*model(x, y))
+        return compile_
+    for scale, verdict, first_step in ((1.0, "-> agree", "0.00%"), (1.05, "-> DISAGREE", "5.00%")):
+        monkeypatch.setattr(torch, "compile", off_by(scale))
+        bench.compiled_training_agrees(32, 1, device="cpu", steps=3, B=2, L=8, n=2)
+        out, _ = capfd.readouterr()
+        steps = [r for r in out.splitlines() if r.startswith(("| 1 |", "| 2 |", "| 3 |"))]
+        assert len(steps) == 3 and verdict in out, out
+        assert steps[0].endswith(f"| {first_step} |"), steps[0]  # one init, one batch: only the scale differs
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--repeats", "two"], "invalid int value"),
