@@ -19,14 +19,15 @@ mkdir -p out
 report=out/gpu_check.md
 # Each step writes straight to the report, under a time limit that ends in SIGKILL (-k): a process
 # stuck in a device call, or a compile worker that outlives its parent, can neither outlast the
-# limit nor hold a pipe open (an earlier form, `timeout 200 pytest | tail`, ran past every limit).
+# limit nor hold a pipe open (an earlier form piped pytest into tail under a plain timeout, and
+# its one run on a GPU outlasted every limit, for a reason not known).
 step() {  # step TITLE LIMIT_S COMMAND...
     local title=$1 limit=$2
     shift 2
     { echo; echo "## $title"; echo '```'; } >> "$report"
     PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$@" >> "$report" 2>&1
     local rc=$?
-    { echo '```'; echo "exit status: $rc$([ $rc -ge 124 ] && echo " (stopped at its ${limit}-s limit)")"; } >> "$report"
+    { echo '```'; echo "exit status: $rc$([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo " (stopped at its ${limit}-s limit)")"; } >> "$report"
 }
 echo "# gpu_check.sh on $(python -c 'import torch; print(torch.cuda.get_device_name(), "torch", torch.__version__)'), $(date -u '+%F %H:%M UTC')" > "$report"
 step "CUDA tests: python -m pytest -q -m cuda" 200 python -m pytest -q -m cuda -p no:cacheprovider
