@@ -103,12 +103,12 @@ def test_generate_compiled_gives_eagers_tokens_with_one_compiled_step_per_model(
         assert torch.equal(tokens, generate(model, prompt, 20, temperature=0))
         assert torch.equal(generate(model, prompt, 8, temperature=0, compile=True), tokens[:, :6 + 8])
     assert counters["stats"]["unique_graphs"] == 1 and compiled_step(model) is compiled_step(model)
-    caches = make_caches(model)
+    caches = make_caches(model)  # holding the prompt, as in a decode step (an empty one would compile again)
+    with torch.no_grad():
+        model(prompt, caches=caches)
     with torch.no_grad(), pytest.raises(RuntimeError, match="index out of bounds"):
         # check_tokens reads no values under compile (a branch on one breaks the graph): the
-        # compiled embedding stops an id out of range itself, rather than reading past its table.
-        # The caches hold the prompt, as in a decode step (an empty one would compile again).
-        model(prompt, caches=caches)
+        # compiled embedding stops an id out of range itself, rather than reading past its table
         compiled_step(model)(torch.full((2, 1), 64), caches=caches)
     assert counters["stats"]["unique_graphs"] == 1
 
