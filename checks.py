@@ -141,11 +141,23 @@ def check_tokens(idx, targets, vocab_size, values=None):
         raise ValueError("every target is -1 (ignored): the loss would be 0/0")
 
 
-def check_flex(attn_impl, device):
-    """flex_attention has no backward on CPU (torch 2.13): say so before torch fails inside it."""
+FLEX_MIN_HEAD_DIM = 16  # inductor's flex kernels on CUDA: "tl.dot does not support embedding size less than 16"
+
+
+def flex_fits(head_dim, device):
+    """Whether flex_attention runs this head width on this device: CUDA's fused kernels need 16."""
+    return device.type != "cuda" or head_dim >= FLEX_MIN_HEAD_DIM
+
+
+def check_flex(attn_impl, device, head_dim):
+    """An explicit attn_impl='flex' that the device cannot run, said before torch fails inside it:
+    flex_attention has no backward on CPU (torch 2.13), and on CUDA needs head_dim >= 16."""
     if attn_impl == "flex" and device.type == "cpu" and torch.is_grad_enabled():
         raise ValueError("attn_impl='flex' runs forward only on CPU (torch has no flex_attention backward "
                          "there): call it under torch.no_grad(), or train with the default attn_impl")
+    if attn_impl == "flex" and not flex_fits(head_dim, device):
+        raise ValueError(f"attn_impl='flex' needs head_dim >= {FLEX_MIN_HEAD_DIM} on CUDA (flex_attention's "
+                         f"kernels), got {head_dim}: raise head_dim, or use attn_impl 'fast' (dense masks below 16)")
 
 
 def check_length(start, T, block_size, unit="tokens"):
@@ -204,7 +216,7 @@ def check_routing(cfg, modes, idx, targets, mode, depths, cache, threshold):
     if cache is not None and len(cache.layers) != cfg.n_layer:
         raise ValueError(f"the cache was made for {len(cache.layers)} layer(s), this model has {cfg.n_layer}")
     check_tokens(idx, targets, cfg.vocab_size)
-    check_flex(cfg.attn_impl, idx.device)
+    check_flex(cfg.attn_impl, idx.device, cfg.head_dim)
     if mode == "oracle":
         check_depths("mode 'oracle'", depths, idx, cfg.max_depth)
     if cache is not None and cache.batch != idx.size(0):
@@ -287,7 +299,19 @@ def check_attend(q, k, v, mask):
         full = (B, H, Tq, Tk)
         if mask.dim() > 4 or any(m not in (1, f) for m, f in zip(mask.shape[::-1], full[::-1])):
             raise ValueError(f"attend's mask {tuple(mask.shape)} does not broadcast to (B, H, Tq, Tk) = {full}")
-    elif mask is not None and not isinstance(mask, (str, BlockMask)):
+        if mask.dim() < 2:
+            raise ValueError(f"attend's mask must have at least 2 dimensions (Tq, Tk) = ({Tq}, {Tk}), got "
+                             f"{tuple(mask.shape)}")
+    elif isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"attend's mask as a string must be 'causal', got {mask!r}")
+        if Tq != Tk:
+            raise ValueError(f"attend's mask 'causal' needs Tq == Tk, got Tq={Tq}, Tk={Tk}")
+    elif isinstance(mask, BlockMask):
+        if not flex_fits(hd, q.device):
+            raise ValueError(f"a BlockMask on CUDA needs head_dim >= {FLEX_MIN_HEAD_DIM} (flex_attention's "
+                             f"kernels), got {hd}: give a dense mask")
+    elif mask is not None:
         raise ValueError(f"attend's mask must be 'causal', None, a boolean tensor or a BlockMask, got "
                          f"{type(mask).__name__}")
 

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from checks import check_caches, check_flex, check_length, check_tokens, is_int
+from checks import check_caches, check_flex, check_length, check_tokens, flex_fits, is_int
 from moe import LayerPlan, ModelConfig, Transformer, causal, causal_after, dense_mask, upcast
 
 # -----------------------------------------------------------------------------
@@ -200,7 +200,7 @@ class HiddenDecoding(nn.Module):
         start = 0 if caches is None else check_caches(caches, cfg.n_layer, cfg.block_size, self.kv_rows_per_token,
                                                        self.kv_window)
         check_length(start, L, cfg.block_size)
-        check_flex(cfg.attn_impl, dev)
+        check_flex(cfg.attn_impl, dev, cfg.head_dim)
         t = torch.arange(start * n, (start + L) * n, device=dev)  # expanded indices of the new rows
         t_kv = torch.arange((start + L) * n, device=dev)  # every row the keys may come from
         pos = t if cfg.positions == "expanded" else t // n
@@ -288,6 +288,7 @@ def attention_path(cfg, i, final_only, device, cached=False):
         "fold"    streams folded into the batch, each causal (HD §3.2)   fast: I
         "causal"  SDPA's causal kernel (M^full is plain causal)          fast: F, all rows, uncached
         "block"   a flex BlockMask                                       fast: the rest uncached, on CUDA
+                                                                         (head_dim >= 16: flex's kernels)
         "dense"   a dense boolean mask                                   fast: the rest; "dense": all
 
     attn_impl "flex" gives every uncached layer "block" (cached ones "dense"). I means an I
@@ -300,7 +301,7 @@ def attention_path(cfg, i, final_only, device, cached=False):
         return "fold"
     if cfg.layout[i] == "F" and not cached and not final_only:
         return "causal"
-    return "block" if not cached and device.type == "cuda" else "dense"
+    return "block" if not cached and device.type == "cuda" and flex_fits(cfg.head_dim, device) else "dense"
 
 
 # -----------------------------------------------------------------------------

@@ -173,7 +173,15 @@ def dense_mask(mask_mod, q_idx, kv_idx):
     return mask_mod(0, 0, q_idx[:, None], kv_idx[None, :])
 
 
-_flex_compiled = None
+# Eager CUDA calls this one compiled flex, made once (flex is fused only when compiled). dynamic: one
+# graph serves every batch size and key length, but for torch's special sizes of 1; dynamic=False
+# recompiled per shape until the recompile limit sent it back to the unfused flex, which
+# materializes the scores.
+def compiled_flex(backend="inductor"):
+    return torch.compile(flex_attention, dynamic=True, backend=backend)
+
+
+FLEX = compiled_flex()
 
 
 def attend(q, k, v, mask):
@@ -184,14 +192,11 @@ def attend(q, k, v, mask):
     check_attend(q, k, v, mask)
     gqa = q.size(1) != k.size(1)
     if isinstance(mask, BlockMask):
-        global _flex_compiled
-        if q.is_cuda:  # flex is fused only when compiled; on CPU the eager form is the reference
-            _flex_compiled = _flex_compiled or torch.compile(flex_attention, dynamic=False)
-            return _flex_compiled(q, k, v, block_mask=mask, enable_gqa=gqa)
+        if q.is_cuda and not torch.compiler.is_compiling():
+            return FLEX(q, k, v, block_mask=mask, enable_gqa=gqa)
+        # inside a compiled model Dynamo traces flex with the model; on CPU the eager form is the reference
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
-    if isinstance(mask, str):
-        if mask != "causal" or q.size(2) != k.size(2):
-            raise ValueError(f"mask 'causal' needs Tq == Tk, got {mask!r} with {q.size(2)} vs {k.size(2)}")
+    if isinstance(mask, str):  # "causal"
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     Tq, G = q.size(2), q.size(1) // k.size(1)  # G: query heads per K/V head
     per_query = mask is None or (mask.dim() >= 2 and mask.size(-2) == Tq
@@ -209,7 +214,7 @@ def attend_folded(q, k, v, mask):
     G = H // k.size(1)
     mask = None if mask is None else mask.repeat(*(1,) * (mask.dim() - 2), G, 1)
     y = F.scaled_dot_product_attention(q.reshape(B, H // G, G * Tq, hd), k, v, attn_mask=mask)
-    return y.view(B, H, Tq, hd)
+    return y.reshape(B, H, Tq, hd)  # reshape: SDPA's output layout is its own (on CUDA no view is legal)
 
 
 # -----------------------------------------------------------------------------

@@ -130,9 +130,9 @@ def parser(lab):
     flag(ap, "data", help="train the text suites on this UTF-8 text file instead of Shakespeare")
     flag(ap, "accum", type=int, default=1, help="gradient accumulation micro-steps")
     flag(ap, "muon", action="store_true", help="Muon for 2-D weights in the blocks, AdamW for the rest")
-    flag(ap, "compile", action=argparse.BooleanOptionalAction, default=None,
-         help="torch.compile the models (fullgraph for the backbone and HD); default: on for CUDA, as nanoGPT, "
-              "off on the CPU, where a run's compiles cost more than they save (bench.py --compile, 4i)")
+    flag(ap, "compile", action="store_true",
+         help="torch.compile the training steps (the backbone and HD whole, TaH per pass): off by default on every "
+              "device, since a default run's 11 graphs cost more to compile than they save (RESULTS, 'Compile')")
     flag(ap, "out", default="out", help="folder for results, checkpoints and the token cache")
     flag(ap, "log_every", type=int, default=50, help="steps between log lines")
     flag(ap, "ckpt_every", type=int, default=50, help="steps between checkpoints")
@@ -199,7 +199,7 @@ def parse(argv, lab):
     jobs = a.jobs or (1 if DDP or a.device.startswith("cuda") else max(1, usable_cores() // a.threads))
     return Options(lab, P, preset_name, names, range(a.seed0, a.seed0 + P.seeds),
                    a.suite == "all" or a.smoke or a.rehearse, jobs, out, a.data, a.device, a.threads, a.accum, a.muon,
-                   a.device.startswith("cuda") if a.compile is None else a.compile,  # --compile's default
+                   a.compile,
                    a.rehearse, a.log_every, a.ckpt_every, a.fresh, a.dev,
                    *(("dev", 104729) if a.dev else ("val", 7919)), tidy=a.smoke)
 
@@ -298,8 +298,7 @@ def run(opts, argv):
         tmp.unlink(missing_ok=True)
     for stale in result_files(lab):  # a run that stops early must not leave another run's results beside it
         (out / stale).unlink(missing_ok=True)
-    torch.set_float32_matmul_precision("high")
-    torch.set_num_threads(opts.threads)
+    set_up_torch(opts.threads)
     text = load_text(opts.data, P.plays, P.block, out) if text_suites(opts.suites, lab) else None
     log(f"preset {opts.preset_name}: {P}")
     if text is not None:
@@ -361,6 +360,15 @@ def in_order(rows, lab):
 
 
 # -----------------------------------------------------------------------------
+def set_up_torch(threads):
+    """Every process of a run: TF32 matmuls on GPUs that have them, the thread count, and a compiled
+    function (CUDA's flex, --compile's models) that meets dynamo's recompile limit stops the run instead of
+    falling back, without a word but a warning, to eager (for flex: the unfused kernel)."""
+    torch.set_float32_matmul_precision("high")
+    torch.set_num_threads(threads)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
 # --jobs: each (suite, seed) in a process of its own
 
 
@@ -399,8 +407,7 @@ def train_in_processes(opts, ctx, todo, data, stages, rates, rows, work=None):
 def train_one(job):
     """One (suite, seed) in a process of its own: (suite, seed, its rows), or the line of the
     SystemExit that stopped it."""
-    torch.set_float32_matmul_precision("high")
-    torch.set_num_threads(job.threads)
+    set_up_torch(job.threads)
     PROGRESS.start(job.stages, job.rates, job.run_plan)
     try:
         return job.suite.name, job.seed, run_suite(job.suite, job.P, job.run, job.seed, job.data)

@@ -445,7 +445,8 @@ def test_cuda_flex_forward_and_backward_equal_dense(layout, shared):
     """Every mask as a flex BlockMask (L and shared-KV I on the fast path; F and L and shared I
     as the mirrored last layer under the skip, through on_final_rows) against the dense path."""
     torch.manual_seed(0)
-    model = HiddenDecoding(hd_cfg(n_streams=4, layout=layout, window=5, kv_mirror=True, shared_kv=shared)).cuda()
+    model = HiddenDecoding(hd_cfg(n_streams=4, layout=layout, window=5, kv_mirror=True, shared_kv=shared,
+                                  head_dim=16)).cuda()  # 16: flex's CUDA kernels (below, the dense path)
     ref = twin(model, attn_impl="dense").cuda()
     idx = torch.randint(61, (2, 20), device="cuda")
     a, la = model(idx[:, :-1], idx[:, 1:])
@@ -463,7 +464,7 @@ def test_cuda_bf16_training_step_follows_float32():
     """What train_tiny does on CUDA: autocast bf16 forward (flex BlockMasks, grouped-matmul
     experts), float32 loss, finite gradients, and an AdamW step that lowers the loss."""
     torch.manual_seed(0)
-    model = HiddenDecoding(hd_cfg(n_streams=4, layout="IFL", window=5)).cuda()
+    model = HiddenDecoding(hd_cfg(n_streams=4, layout="IFL", window=5, head_dim=16)).cuda()
     idx = torch.randint(61, (4, 33), device="cuda")
     with torch.no_grad():
         ref = model(idx[:, :-1], idx[:, 1:])[1]
@@ -484,7 +485,7 @@ def test_cuda_compiled_model_equals_eager():
     """The default CUDA run's compiled training step (fullgraph, flex BlockMasks, the gather
     dispatch): eager's logits, loss and gradients."""
     torch.manual_seed(0)
-    model = HiddenDecoding(hd_cfg(n_streams=2, layout="FLI")).cuda()
+    model = HiddenDecoding(hd_cfg(n_streams=2, layout="FLI", head_dim=16)).cuda()  # L takes flex, inside the graph
     idx = torch.randint(61, (2, 17), device="cuda")
     runs = []
     for m in (model, torch.compile(model, fullgraph=True)):

@@ -613,7 +613,7 @@ def cuda(test):
 
 @cuda
 def test_cuda_flex_forward_and_backward_equal_dense():
-    model = make(0, max_depth=3).float().cuda()  # float32: the compiled flex kernels
+    model = make(0, max_depth=3, head_dim=16).float().cuda()  # float32, head_dim 16: the compiled flex kernels
     flex = twin(model, attn_impl="flex").cuda()
     idx = torch.randint(53, (2, 20), device="cuda")
     depths = torch.randint(1, 4, (2, 19), device="cuda")

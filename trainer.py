@@ -168,8 +168,7 @@ class MicroSteps:
             raise SystemExit(f"error: batch {P.batch} does not split into {WORLD} ranks x {run.accum} micro-steps")
         self.autocast = (torch.autocast("cuda", torch.bfloat16) if run.device.startswith("cuda") else
                          torch.autocast("cpu", torch.bfloat16) if run.rehearse else contextlib.nullcontext())
-        whole = isinstance(model, (Transformer, HiddenDecoding))  # TaH's depth loop breaks where routing does
-        self.fwd_model = torch.compile(model, fullgraph=whole) if run.compile else model  # shares the weights
+        self.fwd_model = compiled(model) if run.compile else model  # shares the weights
 
     def __call__(self, x, y, rehearsing):
         total = sum(self.micro_step(x, y, m, rehearsing and m == 0) for m in range(self.run.accum))
@@ -195,6 +194,16 @@ class MicroSteps:
                 f"{self.micro} x {self.P.block} tokens (bf16)")
         loss.backward()
         return loss.item()
+
+
+def compiled(model):
+    """--compile: the backbone and HD whole (fullgraph; static shapes, as a training step's never change);
+    TaH per pass (ThinkAtHard.compile_passes), since the loop between its passes reads the decider's
+    choices. test_gpu_paths.py counts the graphs: one per arm configuration, none for a later seed."""
+    torch._dynamo.config.recompile_limit = 64  # a graph per arm configuration: --suite all's TaH passes take 28
+    if isinstance(model, (Transformer, HiddenDecoding)):
+        return torch.compile(model, fullgraph=True, dynamic=False)
+    return model.compile_passes(True)
 
 
 def checkpoint(ckpt, name, seed, done, model, opts, losses, meta):
