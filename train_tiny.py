@@ -92,10 +92,10 @@ PRESETS = {
         ffn_hidden=576, layout="IIFIILII", window=64, block=128, batch=32, iters=600, lr=2e-3, warmup=50,
         hd_base_iters=600, hd_cont_iters=300, hd_cont_lr=2e-3, digits=6, add_layers=4, tah_batch=64,
         tah_base_iters=1500, tah_sft_iters=800, decider_iters=1200, seeds=5, plays=()),
-    "smoke": Preset(
-        n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8, n_experts=4, expert_hidden=32, ffn_hidden=64,
-        layout="IFL", window=8, block=32, batch=4, iters=4, warmup=2, hd_base_iters=4, hd_cont_iters=3, symbols=4,
-        queries=2, digits=2, tah_batch=4, tah_base_iters=4, tah_sft_iters=3, decider_iters=3, tah_eval_batches=1,
+    "smoke": Preset(  # head_dim 16: CUDA's flex kernels; batches of 8: a row for each of up to 8 torchrun ranks
+        n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=16, n_experts=4, expert_hidden=32, ffn_hidden=64,
+        layout="IFL", window=8, block=32, batch=8, iters=4, warmup=2, hd_base_iters=4, hd_cont_iters=3, symbols=4,
+        queries=2, digits=2, tah_batch=8, tah_base_iters=4, tah_sft_iters=3, decider_iters=3, tah_eval_batches=1,
         seeds=1, plays=("macbeth",)),
 }
 

@@ -23,7 +23,7 @@ import torch
 
 from hd import HiddenDecoding
 from moe import Transformer
-from processes import DDP, MASTER, PROGRESS, RANK, WORLD, average_over_ranks, log
+from processes import DDP, MASTER, PROGRESS, RANK, WORLD, log, sum_over_ranks
 from tasks import atomic
 
 
@@ -155,24 +155,24 @@ def announce(name, seed, P, start):
 
 
 class MicroSteps:
-    """The forward and backward of one step: the global batch split into this rank's
-    micro-batches, their gradients summed and averaged over ranks (DDP by hand). Returns the
-    step's loss."""
+    """The forward and backward of one step: the global batch cut into WORLD x accum pieces as evenly
+    as it goes (batch_piece), this rank's accum pieces run one after another, each piece's mean loss
+    weighted by its share of the rows, and the gradients summed over ranks (DDP by hand): the global
+    batch's mean loss, whatever the world size. Returns the step's loss."""
 
     def __init__(self, name, model, loss_fn, P, run, seed):
         self.name, self.model, self.loss_fn, self.P, self.run, self.seed = name, model, loss_fn, P, run, seed
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.trains_backbone = any(p.requires_grad for p in backbone_of(model).parameters())
-        self.micro = P.batch // (WORLD * run.accum)
-        if self.micro < 1 or P.batch % (WORLD * run.accum):
-            raise SystemExit(f"error: batch {P.batch} does not split into {WORLD} ranks x {run.accum} micro-steps")
+        if P.batch < WORLD * run.accum:
+            raise SystemExit(f"error: batch {P.batch} has fewer rows than {WORLD} ranks x {run.accum} micro-steps")
         self.autocast = (torch.autocast("cuda", torch.bfloat16) if run.device.startswith("cuda") else
                          torch.autocast("cpu", torch.bfloat16) if run.rehearse else contextlib.nullcontext())
         self.fwd_model = compiled(model) if run.compile else model  # shares the weights
 
     def __call__(self, x, y, rehearsing):
         total = sum(self.micro_step(x, y, m, rehearsing and m == 0) for m in range(self.run.accum))
-        return average_over_ranks(self.params, total, self.run.device) if DDP else total
+        return sum_over_ranks(self.params, total, self.run.device) if DDP else total
 
     def check_finite(self, loss, it):
         if not math.isfinite(loss):
@@ -182,25 +182,31 @@ class MicroSteps:
     def micro_step(self, x, y, m, measure):
         """Forward and backward of this rank's rows of micro-step m; a rehearsal measures the
         first one's activation memory."""
-        lo, dev = (m * WORLD + RANK) * self.micro, self.run.device  # this rank's rows of the global batch
+        B, dev = self.P.batch, self.run.device
+        lo, hi = batch_piece(m * WORLD + RANK, WORLD * self.run.accum, B)  # this rank's rows of the global batch
         saved = {}  # storage -> bytes of what autograd keeps for backward (measured in a rehearsal)
         with self.autocast, counting_saved(saved) if self.run.rehearse and measure else contextlib.nullcontext():
-            loss = self.loss_fn(self.fwd_model, x[lo:lo + self.micro].to(dev), y[lo:lo + self.micro].to(dev))
-            loss = loss / self.run.accum
+            loss = self.loss_fn(self.fwd_model, x[lo:hi].to(dev), y[lo:hi].to(dev))
+            loss = loss / (B / (hi - lo))  # its share of the batch: / accum x world for an even cut
         if saved:
             n_all, n_trained = (sum(p.numel() for p in ps) / 1e6 for ps in (self.model.parameters(), self.params))
             log(f"[{self.name} s{self.seed}] rehearsal: {n_all:.2f}M parameters ({n_trained:.2f}M trained); "
                 f"~{sum(saved.values()) / 2**20:.0f} MiB of activations kept for backward per micro-batch of "
-                f"{self.micro} x {self.P.block} tokens (bf16)")
+                f"{hi - lo} x {self.P.block} tokens (bf16)")
         loss.backward()
         return loss.item()
+
+
+def batch_piece(j, pieces, batch):
+    """Rows [lo, hi) of piece j when `batch` rows are cut into `pieces` as evenly as it goes."""
+    return j * batch // pieces, (j + 1) * batch // pieces
 
 
 def compiled(model):
     """--compile: the backbone and HD whole (fullgraph; static shapes, as a training step's never change);
     TaH per pass (ThinkAtHard.compile_passes), since the loop between its passes reads the decider's
-    choices. test_gpu_paths.py counts the graphs: one per arm configuration, none for a later seed."""
-    torch._dynamo.config.recompile_limit = 64  # a graph per arm configuration: --suite all's TaH passes take 28
+    choices. test_gpu_paths.py counts the graphs: one per arm configuration, none for a later seed
+    (the recompile limit: runner.DYNAMO)."""
     if isinstance(model, (Transformer, HiddenDecoding)):
         return torch.compile(model, fullgraph=True, dynamic=False)
     return model.compile_passes(True)
@@ -331,7 +337,8 @@ def log_step(name, seed, done, P, loss, dt, model, dev):
     tok = P.batch * P.block / dt
     mfu = ""
     if dev.startswith("cuda"):  # model FLOPs per token (as nanoGPT's estimate_mfu), vs 989 TFLOP/s bf16 (H100/H200)
-        mfu = f" | mfu {flops_per_token(model, P.block) * tok / 989e12:.2%}"
+        mfu = (f" | mfu {flops_per_token(model, P.block) * tok / 989e12:.2%} | peak memory "
+               f"{torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB")
     log(f"[{name} s{seed}] step {done}/{P.iters} | loss {loss:.4f} | {dt * 1e3:.0f} ms/step | "
         f"{tok / 1e3:.1f}k tok/s{mfu} | {PROGRESS.line()}")
 
