@@ -286,12 +286,14 @@ class MoE(nn.Module):
 
     def masked(self, x, idx, weights):
         """Static shapes for many rows: every expert on every row as two matmuls, (N, C) @ (C, E*2I)
-        and (N, E*I) @ (E*I, C), each expert's hidden scaled by its weight, 0 where unchosen."""
+        and (N, E*I) @ (E*I, C), each expert's hidden scaled by its weight, and exactly 0 where
+        unchosen (selected, not multiplied by 0: an unchosen expert's inf would make NaN)."""
         E, C, I = self.cfg.n_experts, self.cfg.n_embd, self.cfg.expert_hidden
         h = (x @ self.w_gate_up.to(x.dtype).transpose(0, 1).reshape(C, 2 * E * I)).view(-1, E, 2 * I)
         g, u = h.chunk(2, dim=-1)
         combine = torch.zeros(x.size(0), E, dtype=x.dtype, device=x.device).scatter(1, idx, weights.to(x.dtype))
-        act = (F.silu(g) * u * combine[..., None]).reshape(-1, E * I)
+        chosen = torch.zeros(x.size(0), E, dtype=torch.bool, device=x.device).scatter(1, idx, True)
+        act = torch.where(chosen[..., None], F.silu(g) * u * combine[..., None], 0).reshape(-1, E * I)
         return act @ self.w_down.to(x.dtype).reshape(E * I, C)
 
     def sorted_by_expert(self, xs, counts, mode):

@@ -203,6 +203,28 @@ def test_static_dispatches_equal_the_loop_in_float64_outputs_gradients_and_loads
     assert torch.equal(g_last, last) and all(torch.equal(a, b) for a, b in zip(g_step, step))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dispatch", ["loop", "grouped_mm", "gather", "masked"])
+def test_an_unchosen_expert_contributes_nothing_even_when_it_overflows(dispatch, dtype):
+    """Expert 3 is never chosen (the bias) and its weights overflow any row (1e20: its hidden is
+    inf in float32 and bf16): every dispatch gives the loop's finite output, float32 and bf16 autocast."""
+    outs = []
+    for mode in ("loop", dispatch):
+        torch.manual_seed(0)
+        m = MoE(small_cfg(n_experts=4, top_k=2, moe_dispatch=mode))
+        for p in (m.w_gate_up, m.w_down):
+            torch.nn.init.normal_(p, std=0.3)
+        with torch.no_grad():
+            m.w_gate_up[3].fill_(1e20)
+            m.bias.copy_(torch.tensor([0.0, 0.0, 0.0, -100.0]))
+        x = torch.randn(40, m.cfg.n_embd, generator=torch.Generator().manual_seed(2))
+        with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
+            outs.append(m(x).float())
+        assert not (m.last_load[3] > 0)
+    assert torch.isfinite(outs[1]).all(), f"{(~torch.isfinite(outs[1]).all(-1)).sum()} rows not finite"
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5 if dtype == torch.float32 else 5e-2, rtol=1e-2)
+
+
 def test_auto_dispatch_gathers_a_few_rows_and_sorts_many():
     m = MoE(small_cfg())
     assert m.dispatch(moe.GATHER_ROWS // m.cfg.top_k, torch.float32, "cpu") == "gather"
