@@ -68,12 +68,30 @@ RULE = ("shown: over >= 2 seeds, the paired difference has the paper's sign in e
 
 
 def verdict(deltas, sign):
-    """The one rule (RULE) on per-seed paired differences arm - baseline."""
-    d = np.asarray(deltas, dtype=float)
-    if len(d) < 2 or not np.all(np.isfinite(d)):
+    """The one rule (RULE) on per-seed paired differences arm - baseline (finite real numbers, one
+    per seed) and the paper's direction (+1 or -1). Under 2 seeds nothing is shown."""
+    if type(sign) is not int or sign not in (1, -1):
+        raise ValueError(f"sign must be the int +1 or -1 (the paper's direction), got {sign!r}")
+    d = finite_reals(deltas, "deltas")
+    if len(d) < 2:
         return "not shown"
     right_sign = np.all(np.sign(d) == sign)
     return "shown" if right_sign and abs(d.mean()) > 2 * d.std(ddof=1) else "not shown"
+
+
+def finite_reals(values, name):
+    """values as a 1-D float array, or one line saying why they are not finite real numbers in one
+    dimension (a string, a bool, a nested list, nan or inf)."""
+    if isinstance(values, np.ndarray):
+        ok = values.ndim == 1 and values.dtype.kind in "fiu"
+    else:
+        ok = isinstance(values, (list, tuple)) and all(
+            isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) for v in values)
+    if not ok or not np.all(np.isfinite(np.asarray(values, dtype=float))):
+        raise ValueError(f"{name} must be finite real numbers in one dimension, got {values!r}")
+    if len(values) == 0:
+        raise ValueError(f"{name} is empty: there is nothing to judge")
+    return np.asarray(values, dtype=float)
 
 
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -104,9 +122,11 @@ def pooled(runs):
     (machine, seed) (HD at another thread count) are averaged first, since they share the
     seed's initialization and batches. Returns N (the (machine, seed)s), the mean, the std and
     the 95% interval (t, N - 1 degrees of freedom)."""
+    if not runs:
+        raise ValueError("pooled needs at least one (machine, seed, delta) run: the pool is empty")
     units = {}
     for machine, seed, d in runs:
-        units.setdefault((machine, seed), set()).add(float(d))
+        units.setdefault((machine, seed), set()).add(float(finite_reals([d], "a run's delta")[0]))
     v = [float(np.mean(sorted(ds))) for ds in units.values()]
     return dict(n=len(v), mean=float(np.mean(v)), std=float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
                 interval95=interval95(v))
@@ -146,7 +166,8 @@ def judge(rows, claims):
                              f"{getattr(c.baseline, 'id', c.baseline)!r} in effect {c.effect.id!r}")
         out.append(dict(claim=c.name, metric=c.metric, deltas=d, mean=float(np.mean(d)),
                         std=float(np.std(d, ddof=1)) if len(d) > 1 else 0.0, interval95=interval95(d),
-                        verdict=verdict([x + c.sign * c.margin for x in d], c.sign)))
+                        verdict=verdict([x + c.sign * c.margin for x in d], c.sign) if np.all(np.isfinite(d))
+                        else "not shown"))  # a seed without a value (a rate over no tokens) shows nothing
     return out
 
 

@@ -745,8 +745,38 @@ def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the
     assert report.verdict([-0.01, -0.01, -0.04], -1) == "not shown"  # mean 1.15 std from zero: beyond one, not two
     assert report.verdict([-0.015, -0.02, -0.035], -1) == "shown"  # mean 2.24 std from zero
     assert report.verdict([-0.04], -1) == "not shown"  # one seed cannot show anything
-    assert report.verdict([-0.04, float("nan"), -0.05], -1) == "not shown"
     assert report.verdict([0.2, 0.3, 0.25], +1) == "shown"
+    assert report.verdict(np.array([-0.04, -0.05, -0.045]), -1) == "shown"
+
+
+@pytest.mark.parametrize("deltas, sign, words", [
+    ([-0.04, -0.05], 0, r"sign must be the int \+1 or -1"),
+    ([-0.04, -0.05], 2, "sign must be"),
+    ([-0.04, -0.05], "+", "sign must be"),
+    ([-0.04, -0.05], None, "sign must be"),
+    ([-0.04, -0.05], float("nan"), "sign must be"),
+    ([-0.04, -0.05], True, "sign must be"),
+    ([-0.04, -0.05], 1.0, "sign must be"),
+    (["1", "2"], 1, "deltas must be finite real numbers in one dimension"),
+    ([True, True], 1, "finite real numbers"),
+    ([[0.1, 0.2], [0.3, 0.4]], 1, "in one dimension"),
+    (np.array([[0.1, 0.2], [0.3, 0.4]]), 1, "in one dimension"),
+    ([-0.04, float("nan"), -0.05], -1, "finite real numbers"),
+    ([0.1, float("inf")], 1, "finite real numbers"),
+    ("0.1", 1, "finite real numbers"),
+    ([], 1, "empty"),
+])
+def test_the_verdict_rule_refuses_what_is_not_its_input(deltas, sign, words):
+    with pytest.raises(ValueError, match=words):
+        report.verdict(deltas, sign)
+
+
+def test_pooling_refuses_an_empty_pool_and_a_delta_that_is_not_a_finite_number():
+    with pytest.raises(ValueError, match="the pool is empty"):
+        report.pooled([])
+    with pytest.raises(ValueError, match="finite real numbers"):
+        report.pooled([("A", 0, 0.1), ("A", 1, float("nan"))])
+    assert report.pooled([("A", 0, 0.1), ("A", 1, 0.3)])["mean"] == pytest.approx(0.2)
     # the 95% interval beside the rule: mean ± t(0.975, n-1) * std / sqrt(n); 1..5 by hand: 3 ± 2.776 * 0.7071
     assert report.interval95([1, 2, 3, 4, 5]) == pytest.approx((3 - 1.9629, 3 + 1.9629), abs=1e-3)
     assert report.interval95([2.0, 4.0]) == pytest.approx((3 - 12.706, 3 + 12.706), abs=1e-3)
