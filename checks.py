@@ -12,6 +12,7 @@ min or a max makes the host wait for the device.
 """
 
 import math
+import os
 from dataclasses import fields
 
 import torch
@@ -26,8 +27,11 @@ def is_num(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+MAX_INT = 2**53  # every count: an int that float64 and torch's int64 hold exactly
+
+
 def count(lo=1):
-    return lambda v, c: is_int(v) and v >= lo, f"an int >= {lo}"
+    return lambda v, c: is_int(v) and lo <= v <= MAX_INT, f"an int in [{lo}, 2**53]"
 
 
 def number(test, says):
@@ -82,7 +86,7 @@ HD = {**MODEL,
 
 TAH = {**MODEL,
        "max_depth": [count()], "lora_rank": [count()],
-       "lora_alpha": [number(lambda v: True, "a finite number")],
+       "lora_alpha": [number(lambda v: v > 0, "a finite number > 0")],
        "logit_topk": [rule(lambda v, c: is_int(v) and 1 <= v <= c.vocab_size, "an int in [1, vocab_size={c.vocab_size}]")],
        "threshold": [number(lambda v: 0 < v < 1, "a number in (0, 1)")],
        "decider_layers": [rule(lambda v, c: isinstance(v, (tuple, list)) and all(is_int(l) and 0 <= l <= c.n_layer for l in v),
@@ -100,13 +104,65 @@ def table_of(cfg):
 
 
 def check_config(cfg):
-    """Run cfg's table: the first rule a field fails raises one ValueError naming the field."""
+    """Run cfg's table: the first rule a field fails raises one ValueError naming the field; then
+    the one rule for sizes (check_fits), before anything is allocated."""
     table = table_of(cfg)
     for f in fields(cfg):
         v = getattr(cfg, f.name)
         for test, says in table[f.name]:
             if not test(v, cfg):
                 raise ValueError(f"{f.name} must be {says.format(c=cfg)}, got {v!r}")
+    check_fits(cfg)
+
+
+# -----------------------------------------------------------------------------
+# The one rule for sizes: a configuration whose parameters and activations cannot fit the machine
+# is refused before anything is allocated or written, with the estimate and the limit.
+
+
+def parameters(cfg):
+    """The parameter count of the model cfg builds, from its shapes (moe.Transformer, plus HD's
+    other stream tables, plus TaH's LoRA adapters and decider); test_checks.py checks it."""
+    C, H, Hkv, hd, V, L = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.vocab_size, cfg.n_layer
+    attn = [(C, H * hd), (C, Hkv * hd), (C, Hkv * hd), (C, H), (H * hd, C)]  # q, k, v, gate, o as (in, out)
+    E, I = cfg.n_experts, cfg.expert_hidden
+    ffn = [(C, I), (C, I), (I, C)] if E else [(C, cfg.ffn_hidden)] * 2 + [(cfg.ffn_hidden, C)]  # shared / dense
+    block = sum(i * o for i, o in attn + ffn) + hd + 2 * C + (E * (C + 3 * C * I) if E else 0)
+    n = 2 * V * C + L * block + C + (getattr(cfg, "n_streams", 1) - 1) * V * C
+    if hasattr(cfg, "max_depth"):  # TaH: LoRA on every block linear, the decider
+        n += L * cfg.lora_rank * sum(i + o for i, o in attn + ffn)  # the router keeps no adapter
+        D, K = cfg.decider_hidden, cfg.logit_topk
+        n += (K + 1) * C + (C * (len(cfg.decider_states) + 1) + 1) * D + (D + 1) * D + D + 1
+    return n
+
+
+def activations(cfg, batch=1):
+    """Elements a training forward keeps for backward, roughly: per row (token x stream for HD,
+    token x pass for TaH) and layer its states (~16 C, the heads' q/k/v/outputs, the experts'
+    hidden) and the dense path's attention scores over every row."""
+    rows = batch * cfg.block_size * getattr(cfg, "n_streams", 1) * getattr(cfg, "max_depth", 1)
+    hidden = 3 * (cfg.top_k * cfg.expert_hidden + cfg.expert_hidden) if cfg.n_experts else 3 * cfg.ffn_hidden
+    per_row = 16 * cfg.n_embd + 3 * (cfg.n_head + cfg.n_kv_head) * cfg.head_dim + hidden
+    return rows * cfg.n_layer * (per_row + cfg.n_head * rows // batch) + rows * cfg.vocab_size
+
+
+def memory_limit(device="cpu"):
+    """Bytes the device has: the GPU's memory, or the machine's physical memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(cfg, batch=1, training=False, device="cpu"):
+    """The one rule for sizes: float32 parameters (x4 training: gradients and AdamW's two moments)
+    and a forward's activations at `batch` must fit the device's memory."""
+    need = 4 * (parameters(cfg) * (4 if training else 1) + activations(cfg, batch))
+    limit = memory_limit(device)
+    if need > limit:
+        raise ValueError(f"this configuration needs ~{need / 2**30:,.3g} GiB ({parameters(cfg):,} parameters, "
+                         f"activations of {batch} sequence(s) of block_size {cfg.block_size}) and the "
+                         f"{torch.device(device).type} has {limit / 2**30:,.1f} GiB: make it smaller")
 
 
 # -----------------------------------------------------------------------------

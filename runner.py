@@ -195,7 +195,7 @@ def parse(argv, lab):
         P = replace(lab.presets["large"], iters=2, hd_base_iters=2, hd_cont_iters=2, tah_base_iters=2, tah_sft_iters=2,
                     decider_iters=2, warmup=1, tah_eval_batches=1, seeds=1)
     P = replace(P, **{f.name: getattr(a, f.name) for f in fields(P) if hasattr(a, f.name)})
-    if problem := lab.check(P) or check_batches(P, names, a.accum, lab):
+    if problem := lab.check(P, a.device) or check_batches(P, names, a.accum, lab):
         ap.error(problem)
     jobs = a.jobs or (1 if DDP else max(1, usable_cores() // a.threads))  # on one GPU too: the processes share it
     return Options(lab, P, preset_name, names, range(a.seed0, a.seed0 + P.seeds),
@@ -275,8 +275,8 @@ def check_batches(P, names, accum, lab):
 
 
 def main(argv, lab):
-    opts = parse(argv, lab)
     try:  # the file system's errors (a path that is a folder, no permission, a full disk): one line each
+        opts = parse(argv, lab)
         if DDP:
             opts = replace(opts, device=start_ddp(opts.device))  # trainer.py: the process group, or one line why not
         with torch._dynamo.config.patch(**DYNAMO):

@@ -495,6 +495,20 @@ def test_ctrl_c_stops_the_run_with_one_line_and_leaves_no_process(jobs, tmp_path
     assert all_ended(pids)
 
 
+@pytest.mark.parametrize("after", [0.2, 0.6])  # torch alone takes ~1.5 s to import here
+def test_ctrl_c_during_start_up_prints_one_line_and_exits_130(after, tmp_path):
+    """While torch and the project import (the first seconds): exit 130 and one line, no traceback,
+    nothing written."""
+    run = subprocess.Popen([sys.executable, "train_tiny.py", "--smoke", "--out", str(tmp_path / "out")], cwd=HERE,
+                           start_new_session=True, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(after)
+    os.killpg(run.pid, signal.SIGINT)
+    out, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err
+    assert err.strip().splitlines() == ["interrupted during start-up: nothing was run or written"], err
+    assert not (tmp_path / "out").exists()
+
+
 def test_jobs_default_to_the_cores_per_thread_and_refuse_torchrun(monkeypatch, capsys):
     monkeypatch.setattr(runner, "usable_cores", lambda: 4)
     assert runner.parse(["--smoke"], tt.LAB).jobs == 4

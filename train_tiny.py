@@ -18,12 +18,20 @@ the paper's figure beside them) are printed as a markdown table and written to
 `<out>/results.md` and `<out>/results.json`. A killed run resumes from its checkpoints.
 """
 
+import signal
+import sys
+
+if __name__ == "__main__":  # Ctrl-C while torch imports: one line and 130, as at every later moment
+    signal.signal(signal.SIGINT, lambda sig, frame: sys.exit(print("interrupted during start-up: nothing was "
+                                                                    "run or written", file=sys.stderr) or 130))
+
 import math
 from dataclasses import dataclass, field, fields
 
 import ablations
 import headline
 import runner
+from checks import MAX_INT, check_fits
 from hd import HDConfig
 from tasks import Arith, Lookups
 
@@ -101,12 +109,20 @@ PRESETS = {
 
 
 
-def check_preset(P):
-    """Every field in range, and the models it builds valid: one line before any training."""
+MAX_STEPS, MAX_SEEDS = 10**6, 1000  # the counts' stated maxima: steps (every *iters, warm-up, batches), seeds
+COUNTS = {"seeds": MAX_SEEDS, **{f: MAX_STEPS for f in ("iters", "warmup", "hd_base_iters", "hd_cont_iters",
+                                                          "tah_base_iters", "tah_sft_iters", "decider_iters",
+                                                          "tah_eval_batches")}}
+TEXT_VOCAB = 100_000  # the text's vocabulary is known only once it is read: at most cl100k's, for the size rule
+
+
+def check_preset(P, device="cpu"):
+    """Every field in range, and the models it builds valid and within the device's memory (the
+    one rule for sizes, checks.check_fits): one line before anything is allocated or written."""
     for f in fields(Preset):
         v = getattr(P, f.name)
-        if isinstance(v, int) and v < 1:
-            return f"--{f.name} must be >= 1, got {v}"
+        if isinstance(v, int) and not 1 <= v <= COUNTS.get(f.name, MAX_INT):
+            return f"--{f.name} must be an int in [1, {COUNTS.get(f.name, MAX_INT):,}], got {v}"
         if isinstance(v, float) and not (math.isfinite(v) and v > 0):
             return f"--{f.name} must be a finite number > 0, got {v}"
     if not P.two_hop + P.three_hop < 1:
@@ -118,22 +134,28 @@ def check_preset(P):
         return f"--digits must be <= 18 (the operands are int64), got {P.digits}"
     if len(set(P.plays)) != len(P.plays):
         return f"--plays names a play twice: {','.join(P.plays)}"
-    return check_models(P)
+    return check_models(P, device)
 
 
-def check_models(P):
+def check_models(P, device):
     for name, task in (("symbols/queries", Lookups(P.symbols, P.queries, P.two_hop, per_problem=True)),
                        ("digits", Arith(P.digits))):
         if task.problem_len > P.block:
             return (f"--block {P.block} holds no whole {type(task).__name__} problem ({task.problem_len} "
                     f"tokens): raise --block or lower --{name}")
     try:
-        HDConfig(**headline.backbone_cfg(P, 100, layout=P.layout, window=P.window, n_streams=4))
+        cfgs = [(HDConfig(**headline.backbone_cfg(P, TEXT_VOCAB, layout=P.layout, window=P.window,
+                                                  n_streams=max(headline.HD_CONT_NS))), P.batch)]
         for task, layers in ((Lookups(P.symbols, P.queries, P.two_hop, P.three_hop), P.tah_layers),
                              (Arith(P.digits), P.add_layers)):
-            headline.tah_config(P, task, layers)
+            cfgs.append((headline.tah_config(P, task, layers), P.tah_batch))
     except ValueError as e:
         return f"this preset builds no valid model: {e}"
+    for cfg, batch in cfgs:  # the largest model of each kind, training at its batch
+        try:
+            check_fits(cfg, batch, training=True, device=device)
+        except ValueError as e:
+            return f"{e} (--batch {P.batch}, --tah_batch {P.tah_batch})"
     return None
 
 
@@ -147,6 +169,7 @@ LAB = runner.Lab(suites=tuple(ablations.SUITES), headline=(headline.HD.name, hea
 
 
 def main(argv=None):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here runner.main answers Ctrl-C
     runner.main(argv, LAB)
 
 
