@@ -11,6 +11,7 @@ types and shapes always, values only where reading them is free (on CPU), since 
 min or a max makes the host wait for the device.
 """
 
+import argparse
 import math
 import os
 from dataclasses import fields
@@ -397,3 +398,8 @@ def check_lookups(symbols, queries, two_hop, three_hop, per_problem):
                          f"{two_hop} + {three_hop}")
     if per_problem is not True and per_problem is not False:
         raise ValueError(f"per_problem must be True or False, got {per_problem!r}")
+
+
+def demo_args(doc):
+    """A method file's demo takes no arguments: --help prints its docstring, anything else is refused."""
+    argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()

@@ -31,7 +31,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from checks import check_generation, check_generator, check_kv, check_length, check_logits, check_sampling, is_int
+from checks import (check_generation, check_generator, check_kv, check_length, check_logits, check_sampling, demo_args,
+                    is_int)
 from hd import HiddenDecoding
 from moe import Transformer, upcast
 from tah import ThinkAtHard
@@ -290,6 +291,7 @@ def tah_decode(model, idx, max_new_tokens, temperature, sample_top_k, generator,
 
 
 if __name__ == "__main__":
+    demo_args(__doc__)
     from hd import HDConfig, HiddenDecoding
     from moe import ModelConfig, Transformer
     from tah import TaHConfig, ThinkAtHard

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from checks import check_caches, check_flex, check_length, check_tokens, flex_fits, is_int
+from checks import check_caches, check_flex, check_length, check_tokens, demo_args, flex_fits, is_int
 from moe import LayerPlan, ModelConfig, Transformer, causal, causal_after, dense_mask, upcast
 
 # -----------------------------------------------------------------------------
@@ -373,6 +373,7 @@ def draw(mask_mod, n, L):
 
 
 if __name__ == "__main__":
+    demo_args(__doc__)
     n, L, w = 2, 4, 3
     print(f"Stream-Factorized Attention masks, n={n} streams, L={L} tokens (row 2b = token 2, stream b)")
     for name, mod in [("F full cross-stream", full), (f"L local cross-stream, window={w}", local(w)),

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from checks import check_attend, check_caches, check_config, check_length, check_tokens
+from checks import check_attend, check_caches, check_config, check_length, check_tokens, demo_args
 
 # -----------------------------------------------------------------------------
 # Config
@@ -445,6 +445,7 @@ class Transformer(nn.Module):
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
+    demo_args(__doc__)
     torch.manual_seed(0)
     cfg = ModelConfig()
     model = Transformer(cfg)

@@ -12,6 +12,7 @@ compute-accuracy trade-off.
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -575,14 +576,28 @@ def write_report(rows, suites, ran, header, run, out, meta):
     log("\n" + md + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in png if p))
 
 
-if __name__ == "__main__":
+def main(argv=None):
+    """python report.py: the masks figure into --out (a folder, made if missing), or with --docs
+    into docs/ (the README's); one line for what it cannot honour."""
     import argparse
-    from pathlib import Path
     ap = argparse.ArgumentParser(description="Draw the masks figure (HD Fig. 3's masks, TaH's duo-causal mask) "
                                              "from the mask functions themselves.")
-    ap.add_argument("--out", default="out", help="the folder masks.png goes to (default: out)")
+    ap.add_argument("--out", help="the folder masks.png goes to (default: out)")
     ap.add_argument("--docs", action="store_true", help="rewrite the README's docs/masks.png instead")
-    a = ap.parse_args()
-    out = Path("docs" if a.docs else a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    print(plot_masks(out / "masks.png") or "matplotlib is not installed: nothing drawn")
+    a = ap.parse_args(argv)
+    if a.docs and a.out is not None:
+        ap.error("--docs writes docs/masks.png: give --docs or --out, not both")
+    if a.out is not None and not a.out.strip():
+        ap.error("--out must name a folder")
+    out = Path("docs" if a.docs else "out" if a.out is None else a.out)
+    if out.exists() and not out.is_dir():
+        ap.error(f"--out {out} is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        print(plot_masks(out / "masks.png") or "matplotlib is not installed: nothing drawn")
+    except OSError as e:
+        raise SystemExit(f"error: {e.strerror or e} ({e.filename or out}): masks.png is not written")
+
+
+if __name__ == "__main__":
+    main()

@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from checks import check_length, check_oracle, check_routing, check_stage2
+from checks import check_length, check_oracle, check_routing, check_stage2, demo_args
 from moe import LayerPlan, ModelConfig, Transformer, upcast
 
 MODES = ("standard", "always", "oracle", "decider")
@@ -510,6 +510,7 @@ def draw(depths):
 
 
 if __name__ == "__main__":
+    demo_args(__doc__)
     print("Duo-causal mask, passes per token [1, 2, 1, 2] (row i.p = token i in pass p; # = may attend):")
     print(draw([1, 2, 1, 2]))
     torch.manual_seed(0)

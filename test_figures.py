@@ -2,6 +2,10 @@
 labels of the plotted quantity, the plotted values are the summary's, and a mean has its error
 bars (one std over seeds)."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -102,3 +106,36 @@ def test_the_problem_figure_has_a_colorbar_and_names_each_answer_before_and_afte
     assert labels == ["b?2 (1.2): t5 -> t7"]
     assert any(ax.get_ylabel() == "attention weight" for ax in fig.axes)  # the colorbar
     assert [t.get_text() for t in fig.axes[1].get_xticklabels()] == ["a 0.1", "b?2 1.1", "b?2 1.2"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--out", ""], "--out must name a folder"),
+    (["--docs", "--out", "x"], "give --docs or --out, not both"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_report_py_refuses_what_it_cannot_honour_in_one_line(argv, words, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        report.main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_report_py_says_in_one_line_when_its_folder_is_a_file_or_cannot_be_written(tmp_path, monkeypatch, capsys):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        report.main(["--out", str(tmp_path / "f")])
+    assert e.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(report, "plot_masks", denied)
+    with pytest.raises(SystemExit, match=r"^error: Permission denied \(.*masks.png\): masks.png is not written$"):
+        report.main(["--out", str(tmp_path / "ro")])
+
+
+@pytest.mark.parametrize("demo", ["moe.py", "hd.py", "tah.py", "generate.py"])
+def test_the_method_demos_refuse_arguments(demo):
+    run = subprocess.run([sys.executable, demo, "--bogus", "1"], cwd=Path(__file__).parent, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "unrecognized arguments: --bogus 1" in run.stderr
