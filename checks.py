@@ -400,6 +400,19 @@ def check_lookups(symbols, queries, two_hop, three_hop, per_problem):
         raise ValueError(f"per_problem must be True or False, got {per_problem!r}")
 
 
+def real_device(device):
+    """device as a torch.device this machine has, or one line naming it ('cpu:1' parses, and is no device)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a name such as 'cpu' or 'cuda', got {device!r}")
+    if device.type not in ("cpu", "cuda") or device.type == "cpu" and device.index not in (None, 0) or \
+            device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise ValueError(f"device {str(device)!r} is not a device of this machine (cpu, or cuda:N with N < "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0})")
+    return device
+
+
 def demo_args(doc):
     """A method file's demo takes no arguments: --help prints its docstring, anything else is refused."""
     argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()

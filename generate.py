@@ -31,8 +31,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from checks import (check_generation, check_generator, check_kv, check_length, check_logits, check_sampling, demo_args,
-                    is_int)
+from checks import (check_caches, check_generation, check_generator, check_kv, check_length, check_logits,
+                    check_sampling, check_tokens, demo_args, is_int, real_device)
 from hd import HiddenDecoding
 from moe import Transformer, upcast
 from tah import ThinkAtHard
@@ -124,10 +124,7 @@ class TaHCache:
         check_tah(model, "TaHCache")
         if not is_int(B) or B < 1:
             raise ValueError(f"B must be an int >= 1 (batch rows), got {B!r}")
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device must be a torch.device or a name such as 'cpu' or 'cuda', got {device!r}")
+        device = real_device(device)
         cfg = model.cfg
         self.capacity = cfg.block_size * cfg.max_depth
         self.lookups = [torch.zeros(B, self.capacity, dtype=dt, device=device) for dt in (torch.long, torch.long, torch.bool)]
@@ -208,8 +205,24 @@ def compiled_step(model):
     as a tensor: a read that grows with the capacity rather than the rows written, and every
     mask and check rewritten on tensors. Here the caches stay plain buffers read by length.)"""
     if model not in _compiled_steps:
-        _compiled_steps[model] = torch.compile(model, fullgraph=True, dynamic=True)
+        compiled = torch.compile(model, fullgraph=True, dynamic=True)
+
+        def step(idx, caches):
+            check_step(model, idx, caches)
+            return compiled(idx, caches=caches)
+        _compiled_steps[model] = step
     return _compiled_steps[model]
+
+
+def check_step(model, idx, caches):
+    """What the forward checks first, run eagerly before the compiled step: inside it a full cache
+    surfaces as dynamo's "Observed exception", and an id past the vocabulary (CPU; on CUDA no value
+    is read) as an index error naming generated code."""
+    check_tokens(idx, None, model.cfg.vocab_size)
+    per_token = getattr(model, "kv_rows_per_token", lambda i: 1)
+    window = getattr(model, "kv_window", lambda i: None)
+    start = check_caches(caches, model.cfg.n_layer, model.cfg.block_size, per_token, window)
+    check_length(start, idx.size(1), model.cfg.block_size)
 
 
 @torch.no_grad()

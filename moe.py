@@ -400,8 +400,10 @@ class Transformer(nn.Module):
         """The blocks in a plain loop, block i as plans[i] (a LayerPlan) says; `states`, a list,
         gets each block's output. KV-Mirror's bookkeeping, once: a source layer's u is kept (not
         detached: gradients reach the source) and handed to its consumer as kv_u."""
+        if len(plans) != len(self.blocks):
+            raise ValueError(f"run_blocks takes one plan per block: {len(self.blocks)} blocks, {len(plans)} plans")
         saved = {}
-        for i, (block, plan) in enumerate(zip(self.blocks, plans, strict=True)):
+        for i, (block, plan) in enumerate(zip(self.blocks, plans)):
             kv_u = saved.pop(block.mirror_source) if block.mirror_source is not None else None
             x, u = plan.run(block, x, kv_u)
             if i in self.sources:

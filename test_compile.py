@@ -106,11 +106,16 @@ def test_generate_compiled_gives_eagers_tokens_with_one_compiled_step_per_model(
     caches = make_caches(model)  # holding the prompt, as in a decode step (an empty one would compile again)
     with torch.no_grad():
         model(prompt, caches=caches)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="index out of bounds"):
-        # check_tokens reads no values under compile (a branch on one breaks the graph): the
-        # compiled embedding stops an id out of range itself, rather than reading past its table
-        compiled_step(model)(torch.full((2, 1), 64), caches=caches)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"idx must hold ids in \[0, vocab_size=64\), got \[64, 64\]"):
+        compiled_step(model)(torch.full((2, 1), 64), caches=caches)  # checked eagerly, before the compiled step
     assert counters["stats"]["unique_graphs"] == 1
+    with torch.no_grad():
+        for _ in range(model.cfg.block_size - prompt.size(1)):  # the caches full
+            compiled_step(model)(prompt[:, :1], caches=caches)
+    with torch.no_grad(), pytest.raises(ValueError, match="sequence of 49 tokens exceeds block_size=48"):
+        compiled_step(model)(prompt[:, :1], caches=caches)  # as eager says it
+    with torch.no_grad(), pytest.raises(ValueError, match="sequence of 49 tokens exceeds block_size=48"):
+        model(prompt[:, :1], caches=caches)
 
 
 def test_generate_compile_must_be_a_bool():

@@ -86,6 +86,9 @@ IDX = torch.zeros(1, 4, dtype=torch.long)
 
 @pytest.mark.parametrize("call, words", [
     (lambda: TaHCache(tah_model(1), 1, "nodevice"), "device must be"),
+    (lambda: TaHCache(tah_model(1), 1, "cpu:1"), "device 'cpu:1' is not a device of this machine"),
+    (lambda: TaHCache(tah_model(1), 1, f"cuda:{torch.cuda.device_count()}"), "is not a device of this machine"),
+    (lambda: moe_model().run_blocks(torch.zeros(1, 4, 32), []), "one plan per block: 3 blocks, 0 plans"),
     (lambda: tah_model(3)(IDX, cache=TaHCache(tah_model(1), 1, "cpu")), "made for 1 layer(s), this model has 3"),
     (lambda: tah_model(3)(IDX, cache=make_caches(moe_model())), "cache must be None or one TaH cache"),
     (lambda: generate(tah_model(), IDX, 2), "got ThinkAtHard: use TaHCache and generate_tah"),
@@ -103,3 +106,20 @@ IDX = torch.zeros(1, 4, dtype=torch.long)
 def test_decoding_refuses_what_it_cannot_serve_with_one_clear_error(call, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         call()
+
+
+def test_a_cache_of_the_wrong_kind_for_its_layer_is_refused():
+    """A window-1 L layer reads only its own row: given a plain cache (every row) in place of its
+    ring, decoding would read rows its mask excludes, silently wrong. Refused, naming the layer;
+    the right caches decode the full forward's logits (the reference)."""
+    torch.manual_seed(0)
+    model = HiddenDecoding(HDConfig(vocab_size=11, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
+                                    head_dim=8, n_experts=0, n_streams=2, layout="ILI", window=1)).eval()
+    idx = torch.randint(11, (1, 6))
+    caches = make_caches(model)
+    wrong = caches[:1] + [KVCache(caches[1].capacity)] + caches[2:]
+    with torch.no_grad(), pytest.raises(ValueError, match="cache 1 keeps the last every rows, layer 1 reads 1"):
+        model(idx, caches=wrong)
+    with torch.no_grad():
+        model(idx[:, :5], caches=caches)
+        torch.testing.assert_close(model(idx[:, 5:], caches=caches)[0][:, -1], model(idx)[0][:, -1], atol=1e-5, rtol=1e-5)

@@ -159,6 +159,10 @@ def test_attend_rejects_causal_with_unequal_lengths():
     q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)
     with pytest.raises(ValueError, match="causal"):
         attend(q, k, k, "causal")
+    with pytest.raises(ValueError, match="mask as a string must be 'causal', got 'full'"):
+        attend(q, k, k, "full")
+    with pytest.raises(ValueError, match=r"at least 2 dimensions \(Tq, Tk\)"):
+        attend(q, k, k, torch.ones(k.size(2), dtype=torch.bool))
 
 
 # -----------------------------------------------------------------------------

@@ -1467,3 +1467,23 @@ def test_pooled_counts_a_repeated_run_once_and_averages_a_seeds_runs(a, b, noise
     cells = report.pooled_cells([(len(a), np.mean(a), np.std(a, ddof=1)),
                                  (len(b), np.mean(units[len(a):]), np.std(units[len(a):], ddof=1))])
     assert all(np.allclose(cells[k], got[k], atol=1e-12) for k in got)  # the same numbers from the cells' summaries
+
+
+@given(st.lists(st.floats(1, 100), min_size=0, max_size=6), st.lists(st.floats(1, 100), min_size=1, max_size=3),
+       st.integers(1, 3), st.floats(0.5, 2))
+@settings(deadline=None)
+def test_the_jobs_time_left_is_when_the_last_process_is_free(waiting, running, jobs, scale):
+    """processes.run_left: the running units finish, each waiting one goes (in order) to the first
+    process free, every time the prediction x scale. Against a step-by-step simulation of that
+    schedule: the time left is the moment the last process is done, not the first."""
+    running = running[:jobs]
+    now = time.time()
+    seconds = {f"w{i}": s for i, s in enumerate(waiting)} | {f"r{i}": s for i, s in enumerate(running)}
+    started = {(f"r{i}", 0): now for i in range(len(running))}
+    got = processes.run_left(seconds, [(f"w{i}", 0) for i in range(len(waiting))],
+                             {(f"r{i}", 0): None for i in range(len(running))}, started, scale, jobs)
+    busy = [s * scale for s in running] + [0.0] * (jobs - len(running))  # each process: when it is free
+    for s in waiting:
+        first = busy.index(min(busy))
+        busy[first] += s * scale
+    assert got == pytest.approx(max(busy), abs=0.05)
