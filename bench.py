@@ -675,6 +675,35 @@ def cuda_section(L, repeats):
          ["path", "ms", "vs SDPA causal"])
 
 
+def cpu_beside_gpu(repeats, gpu="cuda"):
+    """7. The default preset's training steps (eager, float32; HD n = 1 and 4 at batch 8 x 64
+    tokens; TaH's one-layer lookup model at batch 32, every token 2 passes) on the CPU (one thread)
+    and on the GPU: how much one GPU speeds the tiny run's steps up."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for name, make, B, L in (
+                ("HD n=1", lambda: HiddenDecoding(hd_cfg(1, "IIFLII", 64, window=16, vocab_size=9711)), 8, 64),
+                ("HD n=4", lambda: HiddenDecoding(hd_cfg(4, "IIFLII", 64, window=16, vocab_size=9711)), 8, 64),
+                ("TaH, 2 passes", lambda: ThinkAtHard(TaHConfig(vocab_size=24, block_size=64, n_layer=1, n_embd=64,
+                                                                n_head=12, n_kv_head=2, head_dim=16, n_experts=0,
+                                                                ffn_hidden=48, logit_topk=24, max_depth=2,
+                                                                kv_mirror=False)), 32, 48)):
+            ms = {}
+            for dev in ("cpu", gpu):
+                torch.manual_seed(0)
+                model, idx = make().to(dev), torch.randint(24, (B, L + 1), device=dev)
+                step = (tah_train(model, idx, torch.full((B, L), 2, device=dev)) if isinstance(model, ThinkAtHard)
+                        else train_step(model, idx))
+                ms[dev] = timeit({dev: step}, repeats, dev)[dev] * 1e3
+            rows.append([name, f"{B} x {L}", f"{ms['cpu']:.1f}", f"{ms[gpu]:.1f}", f"{ms['cpu'] / ms[gpu]:.1f}x"])
+    finally:
+        torch.set_num_threads(threads)
+    show("7. A default-preset training step (eager, float32) on the CPU (1 thread) and on the GPU", rows,
+         ["model", "batch x tokens", "CPU (ms)", "GPU (ms)", "CPU / GPU"])
+
+
 def progression_batch(i, B, L, V, device):
     """Batch i of a learnable stream: each row counts from a random start by a random stride
     (mod V), so the loss falls within a few steps and two runs' curves can be compared."""
@@ -777,6 +806,7 @@ def main(argv=None):
         return
     if args.cuda:  # most wanted first: gpu_check.sh's time limit may cut the last ones
         cuda_section(1024 if q else 8192, rep)
+        cpu_beside_gpu(rep)
         compiled_decode([(1, 64)], device, rep, steps=32, width=512)
         hd_serving({"short": 64, "long": 2048}, (1, 4, 16, 64), device, rep, steps=16, width=512)
         decode_vs_prompt(4096 + 16, (1, 16), device, rep, steps=16, width=512)

@@ -70,3 +70,12 @@ def test_bench_flags_fail_with_one_line_naming_the_flag(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_cpu_beside_gpu_section_runs_its_three_models(capfd):
+    """Section 7 of --cuda, its "GPU" the CPU here: the three default-preset steps are timed."""
+    bench.cpu_beside_gpu(1, gpu="cpu")
+    out, _ = capfd.readouterr()
+    assert "7. A default-preset training step" in out
+    assert [r.split(" | ")[0] for r in out.splitlines() if r.startswith(("| HD", "| TaH"))] == [
+        "| HD n=1", "| HD n=4", "| TaH, 2 passes"]

@@ -2,7 +2,7 @@
 labels of the plotted quantity, the plotted values are the summary's, and a mean has its error
 bars (one std over seeds)."""
 
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -135,7 +135,9 @@ def test_report_py_says_in_one_line_when_its_folder_is_a_file_or_cannot_be_writt
 
 
 @pytest.mark.parametrize("demo", ["moe.py", "hd.py", "tah.py", "generate.py"])
-def test_the_method_demos_refuse_arguments(demo):
-    run = subprocess.run([sys.executable, demo, "--bogus", "1"], cwd=Path(__file__).parent, capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode == 2 and "unrecognized arguments: --bogus 1" in run.stderr
+def test_the_method_demos_refuse_arguments(demo, monkeypatch, capsys):
+    """python hd.py --bogus 1 (the file run as __main__ in this process): exit 2, one line naming it."""
+    monkeypatch.setattr(sys, "argv", [demo, "--bogus", "1"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(Path(__file__).parent / demo), run_name="__main__")
+    assert e.value.code == 2 and "unrecognized arguments: --bogus 1" in capsys.readouterr().err

@@ -834,7 +834,7 @@ def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
     (["--threads", "0"], "--threads"),
     (["--jobs", "0"], "--jobs must be >= 1"),
     (["--lr=nan"], "--lr must be a finite number"),
-    (["--n_layer=0"], "--n_layer must be >= 1"),
+    (["--n_layer=0"], "--n_layer must be an int in [1, "),
     (["--layout=IIF"], "builds no valid model: layout"),
     (["--n_layer=2.5"], "invalid int value"),
     (["--smoke", "--suite", "tah", "--digits=16"], "holds no whole Arith problem"),
