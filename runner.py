@@ -62,12 +62,14 @@ class Suite:
 class Lab:
     """A script's suites and budgets: `suites` every Suite in the report's order, `headline` the
     names a plain run trains, `presets` name -> Preset ("default", "large" and "smoke"),
-    `check(P)` the first problem of a preset as one line (or None), `doc` the --help text."""
+    `check(P, device)` the first problem of a preset as one line (or None), `doc` the --help text,
+    `describe(P, device)` what a run's first lines say of how its models run."""
     suites: tuple
     headline: tuple
     presets: dict
     check: Callable
     doc: str
+    describe: Callable = lambda P, device: ""
 
     def suite(self, name):
         return next(s for s in self.suites if s.name == name)
@@ -304,6 +306,7 @@ def run(opts, argv):
     set_up_torch(opts.threads)
     text = load_text(opts.data, P.plays, P.block, out) if text_suites(opts.suites, lab) else None
     log(f"preset {opts.preset_name}: {P}")
+    log(f"{opts.device}, compile {'on' if opts.compile else 'off'}; {lab.describe(P, opts.device)}")
     if text is not None:
         log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}")
     ctx = open_run(opts, text, out)
@@ -472,4 +475,5 @@ def report(rows, opts, run, out, argv, seconds):
     header = (f"Measured by `{command}` on {dev}, {opts.P.seeds} seed(s), evaluated on the "
               f"{'dev' if opts.dev else 'held-out'} set; {seconds:.0f} s for this invocation.")
     write_report(rows, opts.lab.suites, [opts.lab.suite(s) for s in opts.suites], header, run, out,
-                 {"preset": asdict(opts.P), "device": dev, "world_size": WORLD, "eval_set": opts.eval_split})
+                 {"preset": asdict(opts.P), "run": run.run_dir.name, "device": dev, "world_size": WORLD,
+                  "eval_set": opts.eval_split})

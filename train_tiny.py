@@ -28,11 +28,13 @@ if __name__ == "__main__":  # Ctrl-C while torch imports: one line and 130, as a
 import math
 from dataclasses import dataclass, field, fields
 
+import torch
+
 import ablations
 import headline
 import runner
 from checks import MAX_INT, check_fits
-from hd import HDConfig
+from hd import HDConfig, attention_path
 from tasks import Arith, Lookups
 
 
@@ -159,13 +161,27 @@ def check_models(P, device):
     return None
 
 
+PATHS = {"fold": "streams folded, causal kernel", "causal": "causal kernel", "block": "flex block mask",
+         "dense": "dense mask"}
+
+
+def describe(P, device):
+    """How each layer of the HD n = 4 model attends on this device (hd.attention_path), and TaH's mask."""
+    cfg = HDConfig(**headline.backbone_cfg(P, 100, layout=P.layout, window=P.window, n_streams=4))
+    skip = cfg.mirrored.start if cfg.mirror_skip_on else None
+    dev = torch.device(device)
+    layers = [f"{i} {letter}: {PATHS[attention_path(cfg, i, skip is not None and i >= skip, dev)]}"
+              + (" (final stream only)" if skip is not None and i >= skip else "") for i, letter in enumerate(cfg.layout)]
+    return f"HD n = 4 attention by layer: {'; '.join(layers)}. TaH: dense masks (duo-causal)"
+
+
 # -----------------------------------------------------------------------------
 # What runs: the headline suites by default; with --suite all (or --smoke) every suite of
 # ablations.SUITES, the headline ones with their extra arms, in the report's order
 
 
 LAB = runner.Lab(suites=tuple(ablations.SUITES), headline=(headline.HD.name, headline.TAH.name), presets=PRESETS,
-                 check=check_preset, doc=__doc__)
+                 check=check_preset, doc=__doc__, describe=describe)
 
 
 def main(argv=None):
