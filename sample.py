@@ -89,7 +89,8 @@ def main(argv=None):
                          f"train_tiny.py --out {out} first")
     torch.manual_seed(a.seed)
     prompt, text = hd_text(P, run_dir, out, a.seed, a.tokens, a.temperature, a.top_k or None)
-    print(f"HD n = 4 ({run_dir.name}, seed {a.seed}), after the held-out prompt {prompt!r}:\n\n{prompt}{text}\n")
+    print(f"HD n = 4 ({run_dir.name}, seed {a.seed}): {a.tokens} tokens after a held-out prompt of 16 (up to |):"
+          f"\n\n{prompt}|{text}\n")
     pairs, lines = tah_problem(P, run_dir, a.seed)
     print(f"TaH under its decider, a new lookup problem: the pairs {pairs}, then each query's answer "
           f"(* = sent on to a second pass):")

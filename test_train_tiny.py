@@ -1487,3 +1487,19 @@ def test_the_jobs_time_left_is_when_the_last_process_is_free(waiting, running, j
         first = busy.index(min(busy))
         busy[first] += s * scale
     assert got == pytest.approx(max(busy), abs=0.05)
+
+
+def test_sample_prints_text_from_the_hd_model_and_a_problem_answered_by_tah(tmp_path, capsys):
+    """python sample.py after a run that keeps its checkpoints: the HD n = 4 model's text (as many
+    tokens as asked, past its 32-token block: the context slides) and each query of a new lookup
+    problem with the TaH model's answer and its passes; without a run, one line."""
+    import sample
+    with pytest.raises(SystemExit, match="results.json is missing"):
+        sample.main(["--out", str(tmp_path)])
+    tt.main(["--preset", "smoke", "--suite", "hd,tah", "--jobs", "1", "--out", str(tmp_path)])
+    capsys.readouterr()
+    sample.main(["--out", str(tmp_path), "--tokens", "40", "--temperature", "0"])
+    out = capsys.readouterr().out
+    assert "HD n = 4 (run-" in out and "40 tokens after a held-out prompt of 16" in out
+    answers = [line for line in out.splitlines() if " -> =" in line]
+    assert len(answers) == tt.PRESETS["smoke"].queries and all("pass" in a for a in answers), out
