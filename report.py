@@ -558,7 +558,7 @@ def plot_masks(path):
 # The report of a run
 
 
-def write_report(rows, suites, ran, header, run, out, meta):
+def write_report(rows, suites, ran, header, run, out, meta, brief=False):
     """<out>/results.md and results.json (`meta`, then the rule, summary and verdicts) from the
     rows alone, judged by the claims of every suite whose rows are there; the loss curves and
     the plots of the suites that ran (`ran`); the first seed's analyses kept in <run>/inside."""
@@ -573,7 +573,10 @@ def write_report(rows, suites, ran, header, run, out, meta):
     eval_set = "dev" if run.eval_split == "dev" else "held-out"
     plots = dict.fromkeys(p for s in ran for p in s.plots)
     png = [plot(loss_curves(run.run_dir), out)] + [p(summary, out, eval_set, run.run_dir) for p in plots]
-    log("\n" + md + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in png if p))
+    shown = f"{sum(v['verdict'] == 'shown' for v in verdicts)} of {len(verdicts)} claims shown"
+    log(("\n" + md if not brief else f"\n{len(rows)} rows of {len(summary)} (effect, arm, metric)s; {shown} (a plumbing "
+         f"check decides nothing)") + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}"
+        + "".join(f", {p}" for p in png if p))
 
 
 def main(argv=None):

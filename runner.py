@@ -305,6 +305,9 @@ def run(opts, argv):
         (out / stale).unlink(missing_ok=True)
     set_up_torch(opts.threads)
     text = load_text(opts.data, P.plays, P.block, out) if text_suites(opts.suites, lab) else None
+    if opts.tidy:
+        log("--smoke checks the plumbing: every suite's code path on tiny models, one seed, which decides nothing "
+            "(the report is in results.md)")
     log(f"preset {opts.preset_name}: {P}")
     log(f"{opts.device}, compile {'on' if opts.compile else 'off'}; {lab.describe(P, opts.device)}")
     if text is not None:
@@ -476,4 +479,4 @@ def report(rows, opts, run, out, argv, seconds):
               f"{'dev' if opts.dev else 'held-out'} set; {seconds:.0f} s for this invocation.")
     write_report(rows, opts.lab.suites, [opts.lab.suite(s) for s in opts.suites], header, run, out,
                  {"preset": asdict(opts.P), "run": run.run_dir.name, "device": dev, "world_size": WORLD,
-                  "eval_set": opts.eval_split})
+                  "eval_set": opts.eval_split}, brief=opts.tidy)
