@@ -45,6 +45,11 @@ def hd(head_dim=16, **kw):
     return HDConfig(**{**base, **kw})
 
 
+def tah_cfg(head_dim):
+    return TaHConfig(vocab_size=53, block_size=32, n_layer=1, n_embd=32, n_head=6, n_kv_head=2, head_dim=head_dim,
+                     n_experts=0, kv_mirror=False, logit_topk=16, attn_impl="flex")
+
+
 def equal_to_dense(model, idx, atol=1e-4):
     """model's loss and gradients against its twin on the dense reference path."""
     ref = HiddenDecoding(HDConfig(**{**model.cfg.__dict__, "attn_impl": "dense"})).to(idx.device)
@@ -73,6 +78,7 @@ def test_the_fast_path_gives_cuda_flex_only_from_head_dim_16(head_dim, path):
 
 
 def test_an_explicit_flex_is_refused_on_cuda_below_head_dim_16():
+    ThinkAtHard(tah_cfg(8))  # the config is fine: the refusal is the device's, at the forward
     for head_dim in (8, FLEX_MIN_HEAD_DIM - 1):
         with pytest.raises(ValueError, match=f"needs head_dim >= 16 on CUDA.*got {head_dim}"):
             check_flex("flex", CUDA, head_dim)
@@ -88,8 +94,7 @@ def test_cuda_both_sides_of_16_train_and_equal_the_dense_reference(head_dim):
     torch.manual_seed(0)
     equal_to_dense(HiddenDecoding(hd(head_dim, n_streams=4)).cuda(), torch.randint(61, (2, 20), device="cuda"))
     if head_dim < FLEX_MIN_HEAD_DIM:
-        tah_model = ThinkAtHard(TaHConfig(vocab_size=53, block_size=32, n_layer=1, n_embd=32, n_head=6, n_kv_head=2,
-                                          head_dim=head_dim, n_experts=0, attn_impl="flex")).cuda()
+        tah_model = ThinkAtHard(tah_cfg(head_dim)).cuda()
         with pytest.raises(ValueError, match="needs head_dim >= 16 on CUDA"):
             tah_model(torch.randint(53, (2, 8), device="cuda"))
 
