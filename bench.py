@@ -796,7 +796,7 @@ def main(argv=None):
     rep = args.repeats or (3 if args.quick else 15)
     dev = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"# bench.py{' --quick' if args.quick else ''} on {dev}, torch {torch.__version__}, median of {rep}")
-    if q:
+    if args.quick:
         print("--quick runs small sizes in seconds: the targets in the section titles are the full run's sizes', "
               "and its ratios are not comparable with them")
     q = args.quick

@@ -132,7 +132,7 @@ def parser(lab):
     flag(ap, "data", help="train the text suites on this UTF-8 text file instead of Shakespeare")
     flag(ap, "accum", type=int, default=1, help="gradient accumulation micro-steps")
     flag(ap, "muon", action="store_true", help="Muon for 2-D weights in the blocks, AdamW for the rest")
-    flag(ap, "compile", action="store_true",
+    flag(ap, "compile", action=argparse.BooleanOptionalAction, default=False,
          help="torch.compile the training steps (the backbone and HD whole, TaH per pass): off by default on every "
               "device, since a default run's 11 graphs cost more to compile than they save (RESULTS, 'Compile')")
     flag(ap, "out", default="out", help="folder for results, checkpoints and the token cache")
@@ -369,6 +369,9 @@ def in_order(rows, lab):
 
 
 # -----------------------------------------------------------------------------
+# Every process's torch settings
+
+
 def set_up_torch(threads):
     torch.set_float32_matmul_precision("high")
     torch.set_num_threads(threads)
@@ -380,6 +383,7 @@ def set_up_torch(threads):
 DYNAMO = dict(fail_on_recompile_limit_hit=True, recompile_limit=64)
 
 
+# -----------------------------------------------------------------------------
 # --jobs: each (suite, seed) in a process of its own
 
 
