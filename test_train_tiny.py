@@ -835,6 +835,13 @@ def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
     (["--jobs", "0"], "--jobs must be >= 1"),
     (["--lr=nan"], "--lr must be a finite number"),
     (["--n_layer=0"], "--n_layer must be an int in [1, "),
+    *[([f"--{f}", str(10**30)], f"--{f} must be an int in [1, 9,007,199,254,740,992], got 1{'0' * 30}")
+      for f in ("n_embd", "n_head", "head_dim", "n_experts", "expert_hidden", "batch", "tah_batch", "window")],
+    (["--iters", str(10**30)], "--iters must be an int in [1, 1,000,000]"),
+    (["--seeds", str(10**30)], "--seeds must be an int in [1, 1,000]"),
+    (["--warmup", str(10**7)], "--warmup must be an int in [1, 1,000,000]"),
+    (["--batch", str(10**8)], "and the cpu has"),  # the size rule: the estimate and the machine's memory
+    (["--n_embd", str(2**20)], "needs ~"),
     (["--layout=IIF"], "builds no valid model: layout"),
     (["--n_layer=2.5"], "invalid int value"),
     (["--smoke", "--suite", "tah", "--digits=16"], "holds no whole Arith problem"),
@@ -845,11 +852,12 @@ def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
     (["--seed0", str(2**64)], "--seed0 must be at most"),
     (["--seed0", "1e30"], "invalid int value"),
 ])
-def test_bad_arguments_exit_with_one_clear_message(argv, words, capsys):
+def test_bad_arguments_exit_with_one_clear_message(argv, words, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
-        runner.parse(argv, tt.LAB)
+        runner.parse(argv + ([] if "--out" in argv else ["--out", str(tmp_path / "out")]), tt.LAB)
     assert e.value.code != 0
     assert words in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
 def test_missing_package_fails_clearly():
