@@ -406,10 +406,10 @@ def real_device(device):
         device = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be a torch.device or a name such as 'cpu' or 'cuda', got {device!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device.type not in ("cpu", "cuda") or device.type == "cpu" and device.index not in (None, 0) or \
-            device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
-        raise ValueError(f"device {str(device)!r} is not a device of this machine (cpu, or cuda:N with N < "
-                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0})")
+            device.type == "cuda" and (device.index or 0) >= gpus:
+        raise ValueError(f"device {str(device)!r} is not a device of this machine (cpu, or cuda:N with N < {gpus})")
     return device
 
 

@@ -482,5 +482,5 @@ def report(rows, opts, run, out, argv, seconds):
     header = (f"Measured by `{command}` on {dev}, {opts.P.seeds} seed(s), evaluated on the "
               f"{'dev' if opts.dev else 'held-out'} set; {seconds:.0f} s for this invocation.")
     write_report(rows, opts.lab.suites, [opts.lab.suite(s) for s in opts.suites], header, run, out,
-                 {"preset": asdict(opts.P), "run": run.run_dir.name, "device": dev, "world_size": WORLD,
+                 {"preset": asdict(opts.P), "run": run.run_dir.name, "data": opts.data, "device": dev, "world_size": WORLD,
                   "eval_set": opts.eval_split}, brief=opts.tidy)

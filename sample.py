@@ -36,10 +36,11 @@ def load(cls, cfg, ckpt):
     return model.eval()
 
 
-def hd_text(P, run_dir, out, seed, tokens, temperature, top_k):
-    """`tokens` new tokens after the held-out text's first 16, the context cropped to the model's
-    block (nanoGPT's generate crops it the same way), half a block at a time."""
-    text = tasks.load_text(None, tuple(P.plays), P.block, out)
+def hd_text(P, data, run_dir, out, seed, tokens, temperature, top_k):
+    """`tokens` new tokens after the held-out text's first 16 (Shakespeare, or the run's --data), the
+    context cropped to the model's block (nanoGPT's generate crops it the same way), half a block
+    at a time."""
+    text = tasks.load_text(data, tuple(P.plays), P.block, out)
     cfg = HDConfig(**headline.backbone_cfg(P, text.vocab_size, layout=P.layout, window=P.window, n_streams=4))
     model = load(HiddenDecoding, cfg, run_dir / "ckpt" / f"hd_n_4_continued_s{seed}.pt")
     ids, g = text.split["val"][None, :16], torch.Generator().manual_seed(seed)
@@ -47,7 +48,8 @@ def hd_text(P, run_dir, out, seed, tokens, temperature, top_k):
     while ids.size(1) < prompt + tokens:
         new = min(P.block // 2, prompt + tokens - ids.size(1))
         ctx = ids[:, -(P.block - new):]
-        ids = torch.cat([ids, generate(model, ctx, new, temperature, top_k, g)[:, ctx.size(1):]], 1)
+        more = generate(model, ctx, new, temperature, min(top_k, text.vocab_size), g)[:, ctx.size(1):]
+        ids = torch.cat([ids, more], 1)
     return text.decode(ids[0, :prompt]), text.decode(ids[0, prompt:])
 
 
@@ -64,8 +66,8 @@ def tah_problem(P, run_dir, seed):
     for i, (name, passes) in enumerate(zip(names, out.depths[0].tolist())):
         if task.is_query(idx[0, i]):
             said, truth = task.describe(out.logits[0, i].argmax().item()), names[i + 1]
-            lines.append(f"  {name + '*' * (passes > 1):<6} -> {said}  ({'right' if said == truth else 'wrong: ' + truth}"
-                         f", {passes} pass{'es' * (passes > 1)})")
+            verdict = "right" if said == truth else f"wrong: {truth}"
+            lines.append(f"  {name + '*' * (passes > 1):<6} -> {said}  ({verdict}, {passes} pass{'es' * (passes > 1)})")
     pairs = " ".join(n for n in names if ">" in n)
     return pairs, lines
 
@@ -88,7 +90,7 @@ def main(argv=None):
         raise SystemExit(f"error: {out / 'results.json'} is missing or not a run's results: run python "
                          f"train_tiny.py --out {out} first")
     torch.manual_seed(a.seed)
-    prompt, text = hd_text(P, run_dir, out, a.seed, a.tokens, a.temperature, a.top_k or None)
+    prompt, text = hd_text(P, results.get("data"), run_dir, out, a.seed, a.tokens, a.temperature, a.top_k)
     print(f"HD n = 4 ({run_dir.name}, seed {a.seed}): {a.tokens} tokens after a held-out prompt of 16 (up to |):"
           f"\n\n{prompt}|{text}\n")
     pairs, lines = tah_problem(P, run_dir, a.seed)

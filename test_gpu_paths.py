@@ -191,10 +191,11 @@ def test_the_eager_flex_serves_a_runs_shapes_from_a_few_graphs():
 
 
 def test_compiled_training_is_one_graph_per_arm_configuration_and_none_for_a_later_seed(tmp_path, monkeypatch):
-    """--compile on the headline suites (the default run's arms, at the smoke preset's sizes), two seeds, dynamo's recompile
-    limit an error: the backbone and HD compile once per distinct configuration, TaH once per pass
-    kind, and the second seed compiles nothing. Traced with dynamo's "eager" backend (its tracing
-    decides graphs and recompiles; test_compile.py compiles with inductor)."""
+    """--compile on the headline suites (the default run's arms, at the smoke preset's sizes), two
+    seeds, dynamo's recompile limit an error: the backbone and HD compile once per distinct
+    configuration, TaH once per pass kind, and the second seed compiles nothing. Traced with
+    dynamo's "eager" backend (its tracing decides graphs and recompiles; test_compile.py compiles
+    with inductor)."""
     whole, passes = CompileCounter(), CompileCounter()
     real, configs, seen = torch.compile, set(), collections.defaultdict(int)
 
