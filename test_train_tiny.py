@@ -325,18 +325,19 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path)
 
 
 @pytest.mark.parametrize("suite", ["moe", "tah"])
-def test_two_process_ddp_has_its_own_run_and_equals_one_process(suite, tmp_path):
-    """The same flags under torchrun (gloo, 2 ranks) into the same --out: a run of its own (the
-    world size is in the key; nothing of the one-process run is reused) that trains the same
-    numbers up to float summation order (parameters no rank has a gradient for stay untouched,
-    as in one process). Rounding differs (a rank's matmuls see 2 rows, not 4) and TaH stage 2's
-    class weight is counted over each rank's decisions, not the global batch's: ~1e-4 apart."""
+def test_ddp_over_three_ranks_has_its_own_run_and_equals_one_process(suite, tmp_path):
+    """The same flags under torchrun (gloo, 3 ranks: batches of 8 cut 2, 3, 3 rows) into the same
+    --out: a run of its own (the world size is in the key; nothing of the one-process run is
+    reused) that trains the same numbers up to float summation order (parameters no rank has a
+    gradient for stay untouched, as in one process). Rounding differs (a rank's matmuls see 2 or 3
+    rows, not 8) and TaH stage 2's class weight is counted over each rank's decisions, not the
+    global batch's: ~1e-4 apart."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     common = ["train_tiny.py", "--preset", "smoke", "--suite", suite, "--device", "cpu", "--out", str(tmp_path)]
     one = subprocess.run([sys.executable, *common], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *common],
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", *common],
                          cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-2000:]
     assert "already done" not in two.stdout
