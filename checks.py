@@ -137,14 +137,15 @@ def parameters(cfg):
     return n
 
 
-def activations(cfg, batch=1):
-    """Elements a training forward keeps for backward, roughly: per row (token x stream for HD,
+def activations(cfg, batch=1, scores=False):
+    """Elements a forward of `batch` full sequences keeps, roughly: per row (token x stream for HD,
     token x pass for TaH) and layer its states (~16 C, the heads' q/k/v/outputs, the experts'
-    hidden) and the dense path's attention scores over every row."""
+    hidden), the logits, and with `scores` the dense path's attention scores over every row (a
+    training step on the dense reference; the causal and folded kernels keep none)."""
     rows = batch * cfg.block_size * getattr(cfg, "n_streams", 1) * getattr(cfg, "max_depth", 1)
     hidden = 3 * (cfg.top_k * cfg.expert_hidden + cfg.expert_hidden) if cfg.n_experts else 3 * cfg.ffn_hidden
     per_row = 16 * cfg.n_embd + 3 * (cfg.n_head + cfg.n_kv_head) * cfg.head_dim + hidden
-    return rows * cfg.n_layer * (per_row + cfg.n_head * rows // batch) + rows * cfg.vocab_size
+    return rows * cfg.n_layer * (per_row + scores * cfg.n_head * rows // batch) + rows * cfg.vocab_size
 
 
 def memory_limit(device="cpu"):
@@ -157,8 +158,9 @@ def memory_limit(device="cpu"):
 
 def check_fits(cfg, batch=1, training=False, device="cpu"):
     """The one rule for sizes: float32 parameters (x4 training: gradients and AdamW's two moments)
-    and a forward's activations at `batch` must fit the device's memory."""
-    need = 4 * (parameters(cfg) * (4 if training else 1) + activations(cfg, batch))
+    and a forward's activations at `batch` (training: with the dense path's scores) must fit the
+    device's memory. Every config checks itself at batch 1; train_tiny checks its training runs."""
+    need = 4 * (parameters(cfg) * (4 if training else 1) + activations(cfg, batch, scores=training))
     limit = memory_limit(device)
     if need > limit:
         raise ValueError(f"this configuration needs ~{need / 2**30:,.3g} GiB ({parameters(cfg):,} parameters, "
