@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from generate import TaHCache, compiled_step, generate_tah, lora_merged, make_caches
+from generate import TaHCache, compiled_step, generate_tah, graphed_step, lora_merged, make_caches
 from hd import HDConfig, HiddenDecoding, fold, full, intra, local, unfold
 from moe import GATHER_ROWS, MoE, ModelConfig, attend, attend_folded, dense_mask
 from tah import LoRALinear, TaHConfig, ThinkAtHard
@@ -581,6 +581,55 @@ def compiled_decode(cells, device, repeats, steps=32, width=64, layout="IIFLII",
           "n=4 as % of n=1 (eager / compiled)", "same tokens"])
 
 
+def graphed_decode(device, repeats, steps=32, width=512, layout="IIFLII", ns=(1, 4), batches=(1, 16), P=64):
+    """4k (CUDA). The decode step captured as a CUDA graph over static caches (generate's
+    cuda_graph=True: one replay a step) against eager, greedy from the same prompt; the capture
+    (one warm-up step and the recording) happens before the clock. Tokens/s, the graph against
+    eager (target at batch 1, width 512: >= 10x), and n = 4's share of n = 1 under the graph,
+    where a step costs HD's work rather than its kernel launches (HD Figure 5's measure)."""
+    rows = []
+    for B in batches:
+        sec, tokens = {}, {}
+        for n in ns:
+            torch.manual_seed(0)
+            cfg = hd_cfg(n, layout, P + steps + 1, n_layer=len(layout), kv_mirror=True, n_embd=width,
+                         head_dim=width // 4, expert_hidden=width)
+            model = HiddenDecoding(cfg).to(device).eval()
+            idx = torch.randint(cfg.vocab_size, (B, P), device=device)
+            for _ in range(repeats):
+                for arm in ("eager", "graph"):
+                    got, s = (timed_decode(model, model, idx, steps, device) if arm == "eager" else
+                              timed_graph_decode(model, idx, steps, device))
+                    sec.setdefault((n, arm), []).append(s)
+                    tokens.setdefault((n, arm), got)
+        speed = {k: B * steps / statistics.median(v) for k, v in sec.items()}
+        for n in ns:
+            share = f"{speed[n, 'graph'] / speed[ns[0], 'graph']:.0%}" if n != ns[0] else ""
+            rows.append([n, B, P, f"{speed[n, 'eager']:.0f}", f"{speed[n, 'graph']:.0f}",
+                         f"{speed[n, 'graph'] / speed[n, 'eager']:.1f}x", share,
+                         "yes" if torch.equal(tokens[n, "eager"], tokens[n, "graph"]) else "no"])
+    show(f"4k. The decode step as a CUDA graph (generate(..., cuda_graph=True)) vs eager, HD layout {layout}, "
+         f"width {width}, {steps} greedy tokens after a {P}-token prompt (target at batch 1: >= 10x eager)", rows,
+         ["n", "batch", "prompt (tokens)", "eager (tokens/s)", "CUDA graph (tokens/s)", "graph / eager",
+          "n=4 as % of n=1 (graph)", "same tokens"])
+
+
+def timed_graph_decode(model, idx, steps, device):
+    """timed_decode through generate.graphed_step: the prompt eager into static caches, the step
+    captured, then `steps` replays timed. Returns (tokens, seconds)."""
+    caches = make_caches(model, static=True)
+    x = model(idx, caches=caches)[0][:, -1:].argmax(-1)
+    step = graphed_step(model, caches, idx.size(0))
+    out = [x]
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        x = step(x, caches=caches)[0][:, -1:].argmax(-1)
+        out.append(x)
+    sync(device)
+    return torch.cat(out, 1), time.perf_counter() - t
+
+
 def moe_dispatch_rows(rows_list, device, repeats, width=64, E=8, k=2):
     """The MoE layer alone (forward, no grad) over N rows: each dispatch's time, to place
     moe.GATHER_ROWS, the crossover "auto" uses between gather and sorting by expert."""
@@ -808,6 +857,7 @@ def main(argv=None):
                      modes=("decider",) if q else ("always", "decider"))
         return
     if args.cuda:  # most wanted first: gpu_check.sh's time limit may cut the last ones
+        graphed_decode(device, rep)  # seconds: no compile
         cuda_section(1024 if q else 8192, rep)
         cpu_beside_gpu(rep)
         compiled_decode([(1, 64)], device, rep, steps=32, width=512)

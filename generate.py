@@ -102,15 +102,44 @@ class WindowCache(KVCache):
         return keys, values
 
 
-def make_caches(model):
-    """One KVCache per layer with room for block_size tokens (moe.Transformer, hd.HiddenDecoding)."""
+class StaticCache(KVCache):
+    """gpt-fast's static cache, for a decode step replayed as a CUDA graph: every one of `capacity`
+    rows is returned at every step (the layer's causal mask hides the rows not yet written), and the
+    rows written are counted on the device (`written`, read by moe.cache_start), so that no shape
+    and no host number the step reads changes from one step to the next. A sliding-window layer
+    keeps every row too: its window is its mask's."""
+    static = True
+
+    def __init__(self, capacity, window=None):
+        super().__init__(capacity)
+        self.window, self.written, self.step_rows = window, None, 0
+
+    def update(self, k, v):
+        T = self.check_room(k, v)
+        if self.k is None:
+            self.k = k.new_zeros(*k.shape[:2], self.capacity, k.size(3))
+            self.v = v.new_zeros(*v.shape[:2], self.capacity, v.size(3))
+            self.written = torch.zeros((), dtype=torch.long, device=k.device)
+        rows = self.written + torch.arange(T, device=k.device)
+        self.k.index_copy_(2, rows, k)
+        self.v.index_copy_(2, rows, v)
+        self.written += T
+        self.len, self.step_rows = self.len + T, T  # the host's count, for the checks
+        return self.k, self.v
+
+
+def make_caches(model, static=False):
+    """One cache per layer with room for block_size tokens (moe.Transformer, hd.HiddenDecoding):
+    KVCache, or WindowCache for a sliding-window layer; static: StaticCache for every layer."""
     if isinstance(model, ThinkAtHard) or not isinstance(model, (Transformer, HiddenDecoding)):
         raise ValueError(f"make_caches and generate take a moe.Transformer or hd.HiddenDecoding, got "
                          f"{type(model).__name__}" + (": use TaHCache and generate_tah" * isinstance(model, ThinkAtHard)))
     per_token = getattr(model, "kv_rows_per_token", lambda i: 1)
     window = getattr(model, "kv_window", lambda i: None)
-    return [KVCache(model.cfg.block_size * per_token(i)) if window(i) is None else
-            WindowCache(window(i), model.cfg.block_size * per_token(i)) for i in range(model.cfg.n_layer)]
+    rows = [model.cfg.block_size * per_token(i) for i in range(model.cfg.n_layer)]
+    if static:
+        return [StaticCache(r, window(i)) for i, r in enumerate(rows)]
+    return [KVCache(r) if window(i) is None else WindowCache(window(i), r) for i, r in enumerate(rows)]
 
 
 class TaHCache:
@@ -225,22 +254,62 @@ def check_step(model, idx, caches):
     check_length(start, idx.size(1), model.cfg.block_size)
 
 
+def graphed_step(model, caches, B):
+    """The decode step of B rows captured once as a CUDA graph over static caches (StaticCache),
+    then replayed: one launch a step where eager launches every kernel of every layer (gpt-fast
+    gets the same from torch.compile(mode="reduce-overhead")). A warm-up step runs first, on a side
+    stream as CUDA asks, and is undone (the caches' counts put back; its rows are rewritten).
+    Returns step(token, caches) -> (logits, None), the logits a buffer the next replay overwrites."""
+    dev = caches[0].k.device
+    token = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    counts = [(c.written.clone(), c.len) for c in caches]
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        model(token, caches=caches)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    for c, (written, n) in zip(caches, counts):
+        c.written.copy_(written)
+        c.len = n
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # recorded, not run: the counts the capture adds on the host go back
+        logits = model(token, caches=caches)[0]
+    for c, (_, n) in zip(caches, counts):
+        c.len = n
+
+    def step(new, caches=caches):
+        check_step(model, new, caches)
+        token.copy_(new)
+        graph.replay()
+        for c in caches:
+            c.len += c.step_rows
+        return logits, None
+    return step
+
+
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None, compile=False):
+def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None, compile=False,
+             cuda_graph=False):
     """Sample max_new_tokens after idx (B, T) with a KV cache per layer (moe.Transformer,
     hd.HiddenDecoding). The prompt runs as one forward, then one forward per new token.
     compile: the per-token forwards run compiled (compiled_step; the first call compiles, for
-    about a minute on a CPU); the prompt runs eager. Same tokens as eager under greedy decoding,
-    up to float rounding."""
-    caches = make_caches(model)
+    about a minute on a CPU); the prompt runs eager. cuda_graph (CUDA): the per-token forward is
+    captured once as a CUDA graph over static caches and replayed (graphed_step). Same tokens as
+    eager under greedy decoding, up to float rounding."""
     check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
     check_generator(generator)
-    if compile is not True and compile is not False:
-        raise ValueError(f"compile must be True or False, got {compile!r}")
+    for name, flag in (("compile", compile), ("cuda_graph", cuda_graph)):
+        if flag is not True and flag is not False:
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    if cuda_graph and (compile or idx.device.type != "cuda"):
+        raise ValueError("cuda_graph=True takes a model and tokens on a CUDA device, without compile")
+    caches = make_caches(model, static=cuda_graph)
     step = compiled_step(model) if compile else model
     B, T = idx.shape
     out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # the tokens, written in place
     logits, _ = model(idx, caches=caches)
+    if cuda_graph and max_new_tokens > 1:
+        step = graphed_step(model, caches, B)
     for t in range(T, T + max_new_tokens):
         out[:, t:t + 1] = token = sample(logits[:, -1], temperature, sample_top_k, generator)
         if t + 1 < T + max_new_tokens:  # the last token is returned, not fed

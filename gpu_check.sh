@@ -4,9 +4,10 @@
 #      on CUDA;
 #   2. alone (timed): the default run, `python train_tiny.py` (its (suite, seed)s in processes
 #      sharing the GPU), its results.md copied beside the logs;
-#   3. alone (timed): `bench.py --cuda --repeats 3`, most wanted first: 6b (the --compile training
-#      step against eager: one float32 step, float32 steps, bf16 seeds: a bug or rounding), 6a
-#      (flex_attention against SDPA), 4g (the compiled decode step), then HD serving.
+#   3. alone (timed): `bench.py --cuda --repeats 3`, most wanted first: 4k (the decode step as a CUDA
+#      graph against eager), 6b (the --compile training step against eager: one float32 step, float32
+#      steps, bf16 seeds: a bug or rounding), 6a (flex_attention against SDPA), 7 (the CPU beside
+#      the GPU), 4g (the compiled decode step), then HD serving.
 # Each step writes its own log into $GPU_OUT (default out/gpu_check) as it runs, under its own time
 # limit that ends in SIGKILL, so a step that hangs costs its limit and the rest still run;
 # summary.md lists each step's exit status and time.
@@ -39,10 +40,10 @@ step() {  # step NAME LIMIT_S COMMAND...: its output into $OUTDIR/NAME.log, its 
     echo "- $name: \`$*\` exit $rc in $((SECONDS - t0)) s$([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo " (stopped at its ${limit}-s limit)")" >> "$summary"
 }
 
-step tests 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider &
-step smoke 150 "$PY" train_tiny.py --smoke --out "$OUTDIR/smoke" &
+step tests 140 "$PY" -m pytest -q -m cuda -p no:cacheprovider &
+step smoke 140 "$PY" train_tiny.py --smoke --out "$OUTDIR/smoke" &
 wait
-step default 210 "$PY" train_tiny.py --out "$OUTDIR/default"
+step default 200 "$PY" train_tiny.py --out "$OUTDIR/default"
 cp "$OUTDIR/default/results.md" "$OUTDIR/default_results.md" 2>/dev/null
-step bench 100 "$PY" bench.py --cuda --repeats 3
+step bench 130 "$PY" bench.py --cuda --repeats 3
 cat "$summary"

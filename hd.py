@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from checks import check_caches, check_flex, check_length, check_tokens, demo_args, flex_fits, is_int
-from moe import LayerPlan, ModelConfig, Transformer, causal, causal_after, dense_mask, upcast
+from moe import LayerPlan, ModelConfig, Transformer, cache_start, causal, causal_after, dense_mask, upcast
 
 # -----------------------------------------------------------------------------
 # Config
@@ -201,23 +201,25 @@ class HiddenDecoding(nn.Module):
                                                        self.kv_window)
         check_length(start, L, cfg.block_size)
         check_flex(cfg.attn_impl, dev, cfg.head_dim)
-        t = torch.arange(start * n, (start + L) * n, device=dev)  # expanded indices of the new rows
-        t_kv = torch.arange((start + L) * n, device=dev)  # every row the keys may come from
+        start, keys = cache_start(caches, start, self.kv_rows_per_token(0))  # keys: a static cache's tokens
+        t = start * n + torch.arange(L * n, device=dev)  # expanded indices of the new rows
+        t_kv = torch.arange((start + L if keys is None else keys) * n, device=dev)  # every row keys may come from
         pos = t if cfg.positions == "expanded" else t // n
         skip, block_masks = self.mirror_skip_from(), {}  # block masks: one per layer type, built once
-        plans = [self.layer_plan(i, skip, t, t_kv, pos, start, B, None if caches is None else caches[i], block_masks)
-                 for i in range(cfg.n_layer)]
+        plans = [self.layer_plan(i, skip, t, t_kv, pos, start, keys, B, None if caches is None else caches[i],
+                                 block_masks) for i in range(cfg.n_layer)]
         return self.backbone.run_blocks(self.embed(idx), plans)
 
-    def layer_plan(self, i, skip, t, t_kv, pos, start, B, cache, block_masks):
+    def layer_plan(self, i, skip, t, t_kv, pos, start, keys, B, cache, block_masks):
         """How block i runs (moe.LayerPlan): its attention path (attention_path), its mask in that
-        path's form, its query positions, and whether its streams fold into batch rows."""
+        path's form, its query positions, and whether its streams fold into batch rows. keys: None,
+        or the tokens a static cache returns whole (moe.cache_start)."""
         cfg, n, dev, L = self.cfg, self.cfg.n_streams, t.device, len(t) // self.cfg.n_streams
         final_only = skip is not None and i >= skip  # queries: the final-stream rows only
         path = attention_path(cfg, i, final_only, dev, cached=cache is not None)
         q_t, q_pos = (final_stream(t, n, 0), final_stream(pos, n, 0)) if final_only else (t, pos)
         if path == "fold":  # each stream a causal sequence of its own (new rows after `start` cached)
-            mask = causal_after(start, L, dev)
+            mask = causal_after(start, L, dev, keys)
             if final_only:  # the final stream alone, its K/V from its own rows of the source state
                 return StreamPlan(q_pos, mask, cache, n, enter_skip=i == skip, kv_pos=q_pos, kv_final=True)
             return StreamPlan(fold(pos.expand(B, -1), n), mask, cache, n, enter_skip=i == skip, fold=True)
@@ -225,7 +227,7 @@ class HiddenDecoding(nn.Module):
         if path == "causal":
             mask = "causal"
         elif path == "dense":  # a cached L layer's cache returns only the rows its window reaches
-            reach = self.kv_window(i) if cache is not None else None
+            reach = self.kv_window(i) if cache is not None and keys is None else None
             mask = dense_mask(mod, q_t, t_kv if reach is None else t_kv[max(0, start * n - reach + 1):])
         else:  # "block": built once per forward, shared by the layers of one type
             key = (cfg.layout[i], final_only)

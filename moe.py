@@ -160,12 +160,26 @@ def causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
-def causal_after(start, T, device):
-    """The causal mask of T new rows after `start` cached ones (cached decoding)."""
-    if start == 0:
+def causal_after(start, T, device, keys=None):
+    """The causal mask of T new rows after `start` cached ones (cached decoding). keys: the rows a
+    cache returns when it returns all it has room for (generate.StaticCache, whose `start` is a
+    tensor on the device): the mask then hides the rows not yet written."""
+    if keys is None and start == 0:
         return "causal"
-    new, every = torch.arange(start, start + T, device=device), torch.arange(start + T, device=device)
-    return None if T == 1 else dense_mask(causal, new, every)  # one new row sees every cached row
+    if keys is None and T == 1:
+        return None  # one new row sees every cached row
+    new = start + torch.arange(T, device=device)
+    return dense_mask(causal, new, torch.arange(start + T if keys is None else keys, device=device))
+
+
+def cache_start(caches, start, rows_per_token=1):
+    """Where the new rows go: `start`, the tokens the caches hold, or for caches that count them on
+    the device (generate.StaticCache: a decode step replayed as a CUDA graph reads no host number)
+    that count, a tensor. Returns (start, the rows a layer's cache returns or None: every row so far)."""
+    if caches is None or not getattr(caches[0], "static", False):
+        return start, None
+    written = caches[0].written  # None before the cache's first write (the prompt)
+    return 0 if written is None else written // rows_per_token, caches[0].capacity // rows_per_token
 
 
 def dense_mask(mask_mod, q_idx, kv_idx):
@@ -270,7 +284,8 @@ class MoE(nn.Module):
         mode = self.cfg.moe_dispatch
         if mode != "auto":
             return mode
-        if torch.compiler.is_compiling():  # a decode step's rows gather; a training batch runs masked
+        if torch.compiler.is_compiling() or dev == "cuda" and torch.cuda.is_current_stream_capturing():  # no host
+            # reads, static shapes (a CUDA graph cannot wait for the host): a decode step gathers, training masks
             return "gather" if N * self.cfg.top_k <= COMPILED_GATHER_ROWS else "masked"
         if N * self.cfg.top_k <= GATHER_ROWS:
             return "gather"
@@ -419,8 +434,9 @@ class Transformer(nn.Module):
         T = idx.size(1)
         start = 0 if caches is None else check_caches(caches, self.cfg.n_layer, self.cfg.block_size)
         check_length(start, T, self.cfg.block_size, "positions")
-        pos = torch.arange(start, start + T, device=idx.device)
-        mask = causal_after(start, T, idx.device)
+        start, keys = cache_start(caches, start)
+        pos = start + torch.arange(T, device=idx.device)
+        mask = causal_after(start, T, idx.device, keys)
         x = self.run_blocks(self.wte(idx), [LayerPlan(pos, mask, None if caches is None else caches[i])
                                             for i in range(self.cfg.n_layer)])
         logits = self.lm_head(self.norm_f(x))

@@ -79,3 +79,13 @@ def test_the_cpu_beside_gpu_section_runs_its_three_models(capfd):
     assert "7. A default-preset training step" in out
     assert [r.split(" | ")[0] for r in out.splitlines() if r.startswith(("| HD", "| TaH"))] == [
         "| HD n=1", "| HD n=4", "| TaH, 2 passes"]
+
+
+def test_the_cuda_graph_decode_section_compares_tokens_and_speeds(capfd, monkeypatch):
+    """4k on the CPU, its "graph" the eager step over the same static caches (a CUDA graph needs a
+    GPU; test_generate.py checks that every step runs the same ops): each row compares tokens."""
+    monkeypatch.setattr(bench, "graphed_step", lambda model, caches, B: model)
+    bench.graphed_decode("cpu", 1, steps=3, width=32, layout="IFL", batches=(1,), P=8)
+    out, _ = capfd.readouterr()
+    rows = [r for r in out.splitlines() if r.startswith(("| 1 | 1 |", "| 4 | 1 |"))]
+    assert "4k. The decode step as a CUDA graph" in out and len(rows) == 2 and all(r.endswith("| yes |") for r in rows)

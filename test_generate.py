@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from generate import KVCache, TaHCache, generate, generate_tah, lora_merged, make_caches, sample
 from hd import HDConfig, HiddenDecoding
@@ -123,3 +124,77 @@ def test_a_cache_of_the_wrong_kind_for_its_layer_is_refused():
     with torch.no_grad():
         model(idx[:, :5], caches=caches)
         torch.testing.assert_close(model(idx[:, 5:], caches=caches)[0][:, -1], model(idx)[0][:, -1], atol=1e-5, rtol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# Static caches: a decode step a CUDA graph can replay
+
+
+class OpStream(TorchDispatchMode):
+    """Every aten op a step runs, with its tensors' shapes and every other argument's value."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        self.ops.append((str(func), tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+                                          for a in leaves)))
+        return func(*args, **(kwargs or {}))
+
+
+STATIC_MODELS = [("moe", {}), ("hd", dict(layout="IIFLII", window=5, n_streams=4)),
+                 ("hd", dict(layout="FLI", window=3, n_streams=2, kv_mirror=True)),  # the skip's mirrored layer: I
+                 ("hd", dict(layout="LIF", n_streams=3, mirror_skip=False)), ("hd", dict(layout="IFI", shared_kv=True))]
+
+
+def static_model(kind, kw):
+    torch.manual_seed(0)
+    base = dict(vocab_size=64, block_size=40, n_layer=len(kw.get("layout", "abc")), n_embd=32, n_head=6, n_kv_head=2,
+                head_dim=16, n_experts=4, kv_mirror=kw.pop("kv_mirror", False) if kind == "hd" else True)
+    if kind == "moe":
+        return Transformer(ModelConfig(**base)).eval()
+    return HiddenDecoding(HDConfig(**base, **kw)).eval()
+
+
+@pytest.mark.parametrize("kind, kw", STATIC_MODELS)
+def test_static_caches_decode_the_growing_caches_tokens_and_every_step_runs_the_same_ops(kind, kw):
+    """StaticCache (every row read, the count on the device): greedy decoding gives the growing
+    caches' tokens (themselves checked against the full forward), and two decode steps run the same
+    ops on the same shapes with the same arguments, so one step captured as a CUDA graph replays
+    every later one. The growing caches' steps differ (the check can fail)."""
+    model = static_model(kind, dict(kw))
+    idx = torch.randint(64, (2, 5))
+    tokens, streams = {}, {}
+    with torch.no_grad():
+        for static in (False, True):
+            caches = make_caches(model, static=static)
+            x, out, logs = model(idx, caches=caches)[0][:, -1:].argmax(-1), [], []
+            for _ in range(12):
+                with OpStream() as log:
+                    x = model(x, caches=caches)[0][:, -1:].argmax(-1)
+                out.append(x)
+                logs.append(log.ops)
+            tokens[static], streams[static] = torch.cat(out, 1), logs
+    assert torch.equal(tokens[True], tokens[False])
+    assert streams[True][3] == streams[True][10]
+    assert streams[False][3] != streams[False][10]
+
+
+def test_cuda_graph_decoding_needs_cuda_and_no_compile():
+    model = static_model("moe", {})
+    with pytest.raises(ValueError, match="cuda_graph=True takes a model and tokens on a CUDA device"):
+        generate(model, IDX, 2, cuda_graph=True)
+    with pytest.raises(ValueError, match="cuda_graph must be True or False"):
+        generate(model, IDX, 2, cuda_graph=1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind, kw", STATIC_MODELS)
+def test_cuda_graph_decoding_gives_eagers_tokens(kind, kw):
+    model = static_model(kind, dict(kw)).cuda()
+    idx = torch.randint(64, (2, 5), device="cuda")
+    eager = generate(model, idx, 20, temperature=0)
+    assert torch.equal(generate(model, idx, 20, temperature=0, cuda_graph=True), eager)
