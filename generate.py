@@ -21,6 +21,8 @@ caches here are plain buffers:
   token's depth, TaH §4.2), with `lora_merged` running the depth adapter as one matmul.
 - `compiled_step(model)`: `generate(..., compile=True)`'s one compiled decode step per model
   (torch.compile, fullgraph, dynamic), as gpt-fast compiles its decode_one_token.
+- `StaticCache` and `graphed_step`: `generate(..., cuda_graph=True)`, the decode step captured once
+  as a CUDA graph and replayed: caches read whole, the step's start a tensor (moe.cache_start).
 
 Run `python generate.py` to decode with the three untrained models.
 """
