@@ -614,6 +614,7 @@ def graphed_decode(device, repeats, steps=32, width=512, layout="IIFLII", ns=(1,
           "n=4 as % of n=1 (graph)", "same tokens"])
 
 
+@torch.no_grad()
 def timed_graph_decode(model, idx, steps, device):
     """timed_decode through generate.graphed_step: the prompt eager into static caches, the step
     captured, then `steps` replays timed. Returns (tokens, seconds)."""

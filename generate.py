@@ -256,6 +256,7 @@ def check_step(model, idx, caches):
     check_length(start, idx.size(1), model.cfg.block_size)
 
 
+@torch.no_grad()
 def graphed_step(model, caches, B):
     """The decode step of B rows captured once as a CUDA graph over static caches (StaticCache),
     then replayed: one launch a step where eager launches every kernel of every layer (gpt-fast
@@ -279,6 +280,7 @@ def graphed_step(model, caches, B):
     for c, (_, n) in zip(caches, counts):
         c.len = n
 
+    @torch.no_grad()
     def step(new, caches=caches):
         check_step(model, new, caches)
         token.copy_(new)
