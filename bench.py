@@ -319,53 +319,65 @@ PAPER_FIG5 = {(1, "short"): "83-88%", (1, "long"): "83-88%", (4, "short"): "69-8
               (16, "short"): "60%", (16, "long"): "49% (8k), 44% (32k)", (64, "short"): "-", (64, "long"): "-"}
 
 
-def hd_decode(model, B, prompt, steps, device):
+def hd_decode(model, B, prompt, steps, device, graph=False):
     """Decode `steps` tokens for B rows after a cache of `prompt` tokens. The model's own
     preallocated caches are filled once with random K/V for the prompt (a decode step's cost
     depends on shapes, not values), so no prefill is timed or even run; each call starts again
-    from that cache (the steps' rows are written over)."""
+    from that cache (the steps' rows are written over). graph: static caches, the step replayed
+    as a CUDA graph (generate.graphed_step)."""
     cfg, n = model.cfg, getattr(model.cfg, "n_streams", 1)
     per_token = getattr(model, "kv_rows_per_token", lambda i: 1)
     skip = model.mirror_skip_from() if hasattr(model, "mirror_skip_from") else None
     g = torch.Generator(device=device).manual_seed(0)
-    caches = make_caches(model)
+    caches = make_caches(model, static=graph)
     for i, c in enumerate(caches):  # a layer that keeps one row per token holds its streams as batch rows
         b = B * n if per_token(i) == 1 and (skip is None or i < skip) else B
         c.update(*(torch.randn(b, cfg.n_kv_head, prompt * per_token(i), cfg.head_dim, generator=g, device=device)
                    for _ in range(2)))
     first = torch.randint(cfg.vocab_size, (B, 1), generator=g, device=device)
+    step = graphed_step(model, caches, B) if graph else model
 
     @torch.no_grad()
     def run():
         for i, c in enumerate(caches):
             c.len = prompt * per_token(i)  # back to the prompt: the rows written by the last call are free again
+            if graph:
+                c.written.fill_(c.len)
         x = first
         for _ in range(steps):
-            logits, _ = model(x, caches=caches)
+            logits, _ = step(x, caches=caches)
             x = logits[:, -1:].argmax(-1)
     return run
 
 
-def hd_serving(prompts, batches, device, repeats, steps, n=4, width=64):
+def hd_serving(prompts, batches, device, repeats, steps, n=4, width=64, graph=False):
     """HD decode throughput relative to n = 1 (HD §4.5, Figure 5), over batch x prompt length,
-    for the stream-factorized layout and all-full; then the KV cache each layout keeps."""
+    for the stream-factorized layout and all-full; then the KV cache each layout keeps. graph
+    (CUDA): each step replayed as a CUDA graph, so that a step costs HD's work, not its launches;
+    a static cache reads its whole block, so each prompt gets models whose block just fits it."""
     arms = {"n=1": (1, "IIFLII", None), f"n={n} SFA (IIFLII)": (n, "IIFLII", False),
             f"n={n} SFA + KV-mirror skip": (n, "IIFLII", True), f"n={n} all-full": (n, "FFFFFF", False)}
-    models = {}
-    for name, (streams, layout, skip) in arms.items():
-        torch.manual_seed(0)
-        cfg = hd_cfg(streams, layout, max(prompts.values()) + steps + 1, mirror_skip=skip, n_embd=width,
-                     head_dim=width // 4, expert_hidden=width)
-        models[name] = HiddenDecoding(cfg).to(device).eval()
+
+    def models_for(block):
+        models = {}
+        for name, (streams, layout, skip) in arms.items():
+            torch.manual_seed(0)
+            cfg = hd_cfg(streams, layout, block, mirror_skip=skip, n_embd=width, head_dim=width // 4,
+                         expert_hidden=width)
+            models[name] = HiddenDecoding(cfg).to(device).eval()
+        return models
+    models = models_for(max(prompts.values()) + steps + 1)
     rows = []
     for B in batches:
         for bucket, P in prompts.items():
-            t = timeit({k: hd_decode(m, B, P, steps, device) for k, m in models.items()}, repeats, device, warmup=1)
+            ms = models_for(P + steps + 1) if graph else models
+            t = timeit({k: hd_decode(m, B, P, steps, device, graph) for k, m in ms.items()}, repeats, device, warmup=1)
             base = t["n=1"]
             rows.append([B, f"{bucket} ({P})", f"{B * steps / base:.0f}"]
                         + [f"{base / t[k]:.0%}" for k in list(arms)[1:]] + [PAPER_FIG5.get((B, bucket), "-")])
-    show(f"4. HD serving: decode tokens/s of n={n} as % of n=1, 6-layer MoE width {width}, cached decoding of {steps} "
-         "tokens after the prompt (paper: WeLM-HD4-80B, HD Figure 5; excludes the KV-mirror skip)", rows,
+    show(f"4. HD serving{' (each step a CUDA graph)' if graph else ''}: decode tokens/s of n={n} as % of n=1, 6-layer "
+         f"MoE width {width}, cached decoding of {steps} tokens after the prompt (paper: WeLM-HD4-80B, HD Figure 5; "
+         "excludes the KV-mirror skip)", rows,
          ["batch", "prompt (tokens)", "n=1 tokens/s"] + [k.replace(f"n={n} ", "") for k in list(arms)[1:]] + ["paper, HD4"])
     T = max(prompts.values())
     cfg = hd_cfg(n, "IIFLII", T, n_embd=width, head_dim=width // 4, expert_hidden=width)
@@ -862,7 +874,7 @@ def main(argv=None):
         cuda_section(1024 if q else 8192, rep)
         cpu_beside_gpu(rep)
         compiled_decode([(1, 64)], device, rep, steps=32, width=512)
-        hd_serving({"short": 64, "long": 2048}, (1, 4, 16, 64), device, rep, steps=16, width=512)
+        hd_serving({"short": 64, "long": 2048}, (1, 4, 16, 64), device, rep, steps=16, width=512, graph=True)
         decode_vs_prompt(4096 + 16, (1, 16), device, rep, steps=16, width=512)
         return
     attention_by_mask(64 if q else 512, [1, 2, 4] if q else [1, 2, 4, 8], device, rep)

@@ -89,3 +89,13 @@ def test_the_cuda_graph_decode_section_compares_tokens_and_speeds(capfd, monkeyp
     out, _ = capfd.readouterr()
     rows = [r for r in out.splitlines() if r.startswith(("| 1 | 1 |", "| 4 | 1 |"))]
     assert "4k. The decode step as a CUDA graph" in out and len(rows) == 2 and all(r.endswith("| yes |") for r in rows)
+
+
+def test_the_serving_matrix_runs_on_the_graph_step(capfd, monkeypatch):
+    """Section 4 with graph=True on the CPU, its "graph" the eager step over static caches sized to
+    each prompt: every (batch, prompt) row is timed."""
+    monkeypatch.setattr(bench, "graphed_step", lambda model, caches, B: model)
+    bench.hd_serving({"short": 8, "long": 16}, (1, 2), "cpu", 1, steps=2, graph=True)
+    out, _ = capfd.readouterr()
+    assert "4. HD serving (each step a CUDA graph)" in out
+    assert len([r for r in out.splitlines() if r.startswith(("| 1 | short", "| 1 | long", "| 2 | short", "| 2 | long"))]) == 4
