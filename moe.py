@@ -173,9 +173,10 @@ def causal_after(start, T, device, keys=None):
 
 
 def cache_start(caches, start, rows_per_token=1):
-    """Where the new rows go: `start`, the tokens the caches hold, or for caches that count them on
-    the device (generate.StaticCache: a decode step replayed as a CUDA graph reads no host number)
-    that count, a tensor. Returns (start, the rows a layer's cache returns or None: every row so far)."""
+    """Where the new tokens go: `start`, the tokens the caches hold, or for caches that count them
+    on the device (generate.StaticCache: a decode step replayed as a CUDA graph reads no host
+    number) that count, a tensor. Returns (start, keys): keys None (a cache returns the tokens so
+    far), or the tokens a static cache has room for and returns whole."""
     if caches is None or not getattr(caches[0], "static", False):
         return start, None
     written = caches[0].written  # None before the cache's first write (the prompt)
