@@ -280,8 +280,12 @@ def graphed_step(model, caches, B):
     for c, (_, n) in zip(caches, counts):
         c.len = n
 
+    captured = caches
+
     @torch.no_grad()
-    def step(new, caches=caches):
+    def step(new, caches=captured):
+        if caches is not captured:
+            raise ValueError("a graphed step replays over the caches it was captured with: pass those")
         check_step(model, new, caches)
         token.copy_(new)
         graph.replay()
