@@ -627,6 +627,36 @@ def graphed_decode(device, repeats, steps=32, width=512, layout="IIFLII", ns=(1,
 
 
 @torch.no_grad()
+def graphed_tah(device, repeats, steps=64, width=512, n_layer=6, P=64):
+    """4l (CUDA). TaH decoding with each depth's pass replayed as a CUDA graph (generate_tah(...,
+    cuda_graph=True)) against eager, batch 1, greedy: every token 2 passes ("always"), and the
+    untrained decider (which sends about none on). A call's capture (one per depth) is inside its
+    time; `steps` tokens amortize it."""
+    torch.manual_seed(0)
+    cfg = TaHConfig(vocab_size=512, block_size=P + steps + 1, n_layer=n_layer, n_embd=width, n_head=8, n_kv_head=2,
+                    head_dim=max(16, width // 8), n_experts=0, ffn_hidden=3 * width, logit_topk=100, max_depth=2,
+                    kv_mirror=n_layer >= 3)
+    model = ThinkAtHard(cfg).to(device).eval()
+    idx = torch.randint(cfg.vocab_size, (1, P), device=device)
+    rows = []
+    for mode in ("always", "decider"):
+        sec, out = {}, {}
+        for _ in range(repeats):
+            for arm in ("eager", "graph"):
+                sync(device)
+                t = time.perf_counter()
+                out[arm] = generate_tah(model, idx, steps, temperature=0, mode=mode, cuda_graph=arm == "graph")
+                sync(device)
+                sec.setdefault(arm, []).append(time.perf_counter() - t)
+        speed = {k: steps / statistics.median(v) for k, v in sec.items()}
+        same = torch.equal(out["eager"][0], out["graph"][0]) and torch.equal(out["eager"][1], out["graph"][1])
+        rows.append([mode, f"{speed['eager']:.0f}", f"{speed['graph']:.0f}", f"{speed['graph'] / speed['eager']:.1f}x",
+                     "yes" if same else "no"])
+    show(f"4l. TaH decoding with each pass a CUDA graph vs eager, {n_layer}-layer dense width {width}, batch 1, {steps} "
+         f"greedy tokens after a {P}-token prompt (captures inside the time)", rows,
+         ["mode", "eager (tokens/s)", "CUDA graph (tokens/s)", "graph / eager", "same tokens and passes"])
+
+
 def timed_graph_decode(model, idx, steps, device):
     """timed_decode through generate.graphed_step: the prompt eager into static caches, the step
     captured, then `steps` replays timed. Returns (tokens, seconds)."""
@@ -871,6 +901,7 @@ def main(argv=None):
         return
     if args.cuda:  # most wanted first: gpu_check.sh's time limit may cut the last ones
         graphed_decode(device, rep)  # seconds: no compile
+        graphed_tah(device, rep)
         cuda_section(1024 if q else 8192, rep)
         cpu_beside_gpu(rep)
         compiled_decode([(1, 64)], device, rep, steps=32, width=512)

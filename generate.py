@@ -22,7 +22,8 @@ caches here are plain buffers:
 - `compiled_step(model)`: `generate(..., compile=True)`'s one compiled decode step per model
   (torch.compile, fullgraph, dynamic), as gpt-fast compiles its decode_one_token.
 - `StaticCache` and `graphed_step`: `generate(..., cuda_graph=True)`, the decode step captured once
-  as a CUDA graph and replayed: caches read whole, the step's start a tensor (moe.cache_start).
+  as a CUDA graph and replayed: caches read whole, the step's start a tensor (moe.cache_start);
+  `StaticTaHCache` does the same per depth for `generate_tah(..., cuda_graph=True)`.
 
 Run `python generate.py` to decode with the three untrained models.
 """
@@ -186,6 +187,71 @@ class TaHCache:
         self.len += pos.size(1)
 
 
+class StaticTaHCache(TaHCache):
+    """TaHCache for passes replayed as CUDA graphs (StaticCache's idea): a pass reads every slot
+    (`len` is the capacity; the exists lookup, which the duo-causal mask reads, hides the unwritten
+    ones), writes its rows at a slot counted on the device, and takes its positions from a device
+    counter. graphed (CUDA): `graphed` replays each depth's pass of every batch row from a graph
+    captured at its first step; a prompt, or a pass of some rows only, runs eagerly."""
+
+    def __init__(self, model, B, device, graphed=False):
+        super().__init__(model, B, device)
+        self.len, self.filled, self.graphs = self.capacity, 0, {}  # len: what a pass reads; filled: the host's count
+        self.written, self.next_t = (torch.zeros((), dtype=torch.long, device=self.lookups[0].device) for _ in range(2))
+        self.graphed = self.replay if graphed else None
+
+    def reserve(self, T, block_size):
+        super().reserve(T, block_size)  # the host's count: the length check
+        start = self.next_t.clone()
+        self.next_t += T
+        return start
+
+    def add(self, pos, depth, valid, rows=None):
+        T = pos.size(1)
+        if self.filled + T > self.capacity:
+            raise ValueError(f"TaH cache full: it holds {self.capacity} rows, {self.filled} are written and {T} "
+                             "more do not fit")
+        self.rows, self.cols = rows, self.written + torch.arange(T, device=pos.device)
+        for buf, x in zip(self.lookups, (pos, depth, valid)):
+            self.write(buf, x, 1)
+        self.written += T
+        self.filled += T
+
+    def write(self, buf, new, dim):
+        rows = torch.arange(self.batch, device=buf.device) if self.rows is None else self.rows
+        slots, new = (buf, new) if dim == 1 else (buf.transpose(1, 2), new.transpose(1, 2))  # (B, slots, ...)
+        slots.index_put_((rows[:, None], self.cols[None, :]), new)
+
+    @torch.no_grad()
+    def replay(self, model, x, q_pos, d, valid, cache, rows):
+        if rows is not None or x.size(1) > 1:
+            return ThinkAtHard.run_pass(model, x, q_pos, d, valid, cache, rows)
+        if (d, x.shape) not in self.graphs:
+            self.graphs[d, x.shape] = self.capture(model, x, q_pos, d, valid)
+        graph, inputs, (h, kept) = self.graphs[d, x.shape]
+        for buf, new in zip(inputs, (x, q_pos, valid)):
+            buf.copy_(new)
+        graph.replay()
+        self.filled += x.size(1)
+        return h, list(kept)  # the forward writes into its list
+
+    def capture(self, model, *args):
+        """Depth d's pass on static inputs: a warm-up on a side stream, undone, then the recording."""
+        x, q_pos, d, valid = (a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        saved = self.written.clone(), self.filled
+        side = torch.cuda.Stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            ThinkAtHard.run_pass(model, x, q_pos, d, valid, self, None)
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        self.written.copy_(saved[0])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ThinkAtHard.run_pass(model, x, q_pos, d, valid, self, None)
+        self.filled = saved[1]  # recorded, not run
+        return graph, (x, q_pos, valid), out
+
+
 class TaHLayerCache:
     """One layer of a TaHCache: moe's update(k, v), into the slots of the pass add() opened;
     its K/V buffers are allocated at the first write, when their shape is known."""
@@ -343,30 +409,34 @@ def lora_merged(model):
 
 @torch.no_grad()
 def generate_tah(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None, mode="decider",
-                 compile=False):
+                 compile=False, cuda_graph=False):
     """Token-by-token decoding of a ThinkAtHard; the decider (or "standard"/"always") sets each
     token's depth. Returns (tokens (B, T + new), passes of every token that entered the model
     (B, T + new - 1)). compile: each pass runs compiled (ThinkAtHard.compile_passes, for this
-    call), the loop between passes eager."""
+    call), the loop between passes eager. cuda_graph (CUDA): each depth's pass of every batch row
+    replayed as a CUDA graph (StaticTaHCache), the loop between passes eager."""
     check_tah(model, "generate_tah")
     check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
     check_generator(generator)
     if mode == "oracle":
         raise ValueError("generate cannot use mode 'oracle': it needs the reference labels of unseen tokens")
-    if compile is not True and compile is not False:
-        raise ValueError(f"compile must be True or False, got {compile!r}")
+    for name, flag in (("compile", compile), ("cuda_graph", cuda_graph)):
+        if flag is not True and flag is not False:
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    if cuda_graph and (compile or idx.device.type != "cuda"):
+        raise ValueError("cuda_graph=True takes a model and tokens on a CUDA device, without compile")
     was = model.passes_compiled
     try:
         return tah_decode(model.compile_passes(compile or was), idx, max_new_tokens, temperature, sample_top_k,
-                          generator, mode)
+                          generator, mode, cuda_graph)
     finally:
         model.compile_passes(was)
 
 
-def tah_decode(model, idx, max_new_tokens, temperature, sample_top_k, generator, mode):
+def tah_decode(model, idx, max_new_tokens, temperature, sample_top_k, generator, mode, cuda_graph=False):
     """generate_tah's loop: the prompt in one forward, then one forward per new token."""
     B, T = idx.shape
-    cache = TaHCache(model, B, idx.device)
+    cache = StaticTaHCache(model, B, idx.device, graphed=True) if cuda_graph else TaHCache(model, B, idx.device)
     tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # written in place
     depths = torch.zeros(B, T + max(max_new_tokens - 1, 0), dtype=torch.long, device=idx.device)
     with lora_merged(model):

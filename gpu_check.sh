@@ -4,8 +4,8 @@
 #      on CUDA;
 #   2. alone (timed): the default run, `python train_tiny.py` (its (suite, seed)s in processes
 #      sharing the GPU), its results.md copied beside the logs;
-#   3. alone (timed): `bench.py --cuda --repeats 3`, most wanted first: 4k (the decode step as a CUDA
-#      graph against eager), 6b (the --compile training step against eager: one float32 step, float32
+#   3. alone (timed): `bench.py --cuda --repeats 3`, most wanted first: 4k and 4l (HD's decode step and
+#      TaH's passes as CUDA graphs against eager), 6b (the --compile training step against eager: one float32 step, float32
 #      steps, bf16 seeds: a bug or rounding), 6a (flex_attention against SDPA), 7 (the CPU beside
 #      the GPU), 4g (the compiled decode step), then HD serving.
 # Each step writes its own log into $GPU_OUT (default out/gpu_check) as it runs, under its own time

@@ -308,9 +308,9 @@ class ThinkAtHard(nn.Module):
         sel, valid = torch.arange(T, device=idx.device).expand(B, T), torch.ones_like(idx, dtype=torch.bool)
         x = self.backbone.wte(idx)
         passes = []
-        for d in range(cfg.max_depth):
-            h, kept = (COMPILED_PASS if self.passes_compiled else ThinkAtHard.run_pass)(self, x, start + sel, d, valid,
-                                                                                        cache, subset)
+        run = getattr(cache, "graphed", None) or (COMPILED_PASS if self.passes_compiled else ThinkAtHard.run_pass)
+        for d in range(cfg.max_depth):  # (a decoding cache may replay each pass as a CUDA graph: generate.py)
+            h, kept = run(self, x, start + sel, d, valid, cache, subset)
             kept[cfg.n_layer] = self.backbone.norm_f(h)  # the last state after the final norm, as the authors'
             logits = self.backbone.lm_head(kept[cfg.n_layer])  # (B', Tq, V)
             summed, ran = self.accumulate(summed, ran, logits, rows, sel, valid, d)

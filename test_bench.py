@@ -99,3 +99,14 @@ def test_the_serving_matrix_runs_on_the_graph_step(capfd, monkeypatch):
     out, _ = capfd.readouterr()
     assert "4. HD serving (each step a CUDA graph)" in out
     assert len([r for r in out.splitlines() if r.startswith(("| 1 | short", "| 1 | long", "| 2 | short", "| 2 | long"))]) == 4
+
+
+def test_the_tah_cuda_graph_section_compares_tokens_and_passes(capfd, monkeypatch):
+    """4l on the CPU, generate_tah's cuda_graph refused off CUDA, so its "graph" arm is eager here."""
+    real = bench.generate_tah
+    monkeypatch.setattr(bench, "generate_tah", lambda *a, cuda_graph=False, **kw: real(*a, **kw))
+    bench.graphed_tah("cpu", 1, steps=3, width=32, n_layer=1, P=4)
+    out, _ = capfd.readouterr()
+    rows = [r for r in out.splitlines() if r.startswith(("| always |", "| decider |"))]
+    assert "4l. TaH decoding with each pass a CUDA graph" in out and len(rows) == 2
+    assert all(r.endswith("| yes |") for r in rows), rows

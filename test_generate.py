@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from generate import KVCache, TaHCache, generate, generate_tah, lora_merged, make_caches, sample
+from generate import KVCache, StaticTaHCache, TaHCache, generate, generate_tah, lora_merged, make_caches, sample
 from hd import HDConfig, HiddenDecoding
 from moe import ModelConfig, Transformer
 from tah import TaHConfig, ThinkAtHard
@@ -198,3 +198,56 @@ def test_cuda_graph_decoding_gives_eagers_tokens(kind, kw):
     idx = torch.randint(64, (2, 5), device="cuda")
     eager = generate(model, idx, 20, temperature=0)
     assert torch.equal(generate(model, idx, 20, temperature=0, cuda_graph=True), eager)
+
+
+def tah_static_model():
+    torch.manual_seed(0)
+    model = ThinkAtHard(TaHConfig(vocab_size=64, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
+                                  head_dim=16, n_experts=0, logit_topk=16, threshold=0.5)).eval()
+    with torch.no_grad():  # adapters that change the second pass, a decider that sends some tokens on
+        for m in model.loras:
+            m.B.normal_(std=0.2)
+        torch.nn.init.normal_(model.decider.mlp[4].weight, std=2.0)
+    return model
+
+
+def tah_steps(model, cache, idx, mode, steps=10):
+    """Greedy decoding through `cache`: the tokens, the passes, and each step's op stream."""
+    out, tokens, passes, logs = model(idx, mode=mode, cache=cache), [], [], []
+    for _ in range(steps):
+        x = out.logits[:, -1:].argmax(-1)
+        with OpStream() as log:
+            out = model(x, mode=mode, cache=cache)
+        tokens.append(x), passes.append(out.depths), logs.append(log.ops)
+    return torch.cat(tokens, 1), torch.cat(passes, 1), logs
+
+
+@pytest.mark.parametrize("B, mode", [(1, "always"), (2, "decider"), (3, "always")])
+def test_static_tah_caches_decode_the_preallocated_caches_tokens_and_passes(B, mode):
+    """StaticTaHCache (every slot read, its count and positions on the device) gives TaHCache's
+    tokens and passes, also when the decider sends some rows on (their rows written by index);
+    with every row on the same passes (B = 1, "always"), two steps run the same ops on the same
+    shapes and arguments, which is what a replayed graph needs. TaHCache's steps differ."""
+    model, idx = tah_static_model(), torch.randint(64, (B, 6), generator=torch.Generator().manual_seed(B))
+    with torch.no_grad(), lora_merged(model):
+        grow = tah_steps(model, TaHCache(model, B, "cpu"), idx, mode)
+        static = tah_steps(model, StaticTaHCache(model, B, "cpu"), idx, mode)
+    assert torch.equal(static[0], grow[0]) and torch.equal(static[1], grow[1])
+    if mode == "always":
+        assert static[2][2] == static[2][7] and grow[2][2] != grow[2][7]
+
+
+def test_tah_cuda_graph_decoding_needs_cuda():
+    with pytest.raises(ValueError, match="cuda_graph=True takes a model and tokens on a CUDA device"):
+        generate_tah(tah_static_model(), IDX, 2, cuda_graph=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("B, mode", [(1, "always"), (1, "decider"), (2, "decider")])
+def test_cuda_graph_tah_decoding_gives_eagers_tokens_and_passes(B, mode):
+    model = tah_static_model().cuda()
+    idx = torch.randint(64, (B, 6), device="cuda")
+    eager = generate_tah(model, idx, 16, temperature=0, mode=mode)
+    graphed = generate_tah(model, idx, 16, temperature=0, mode=mode, cuda_graph=True)
+    assert torch.equal(graphed[0], eager[0]) and torch.equal(graphed[1], eager[1])
