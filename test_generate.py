@@ -123,7 +123,8 @@ def test_a_cache_of_the_wrong_kind_for_its_layer_is_refused():
         model(idx, caches=wrong)
     with torch.no_grad():
         model(idx[:, :5], caches=caches)
-        torch.testing.assert_close(model(idx[:, 5:], caches=caches)[0][:, -1], model(idx)[0][:, -1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model(idx[:, 5:], caches=caches)[0][:, -1], model(idx)[0][:, -1],
+                                   atol=1e-5, rtol=1e-5)
 
 
 # -----------------------------------------------------------------------------
