@@ -197,7 +197,8 @@ class DepthKV:
     by concatenation; decoding (generate.TaHCache) writes preallocated buffers in place. The
     forward reads either through these calls only: `batch`, `reserve(T, block_size)`, `add(pos,
     depth, valid, rows)` (a pass's row slots), `lookups`, `len`, and per layer moe's one call,
-    `layers[i].update(k, v)`, which fills the slots of the pass add() opened, for its rows."""
+    `layers[i].update(k, v)`, which fills the slots of the pass add() opened, for its rows; a
+    decoding cache may also run the passes itself (`graphed`: generate.StaticTaHCache's CUDA graphs)."""
 
     def __init__(self, n_layer, B, device):
         self.layers = [LayerKV(self) for _ in range(n_layer)]
@@ -309,7 +310,7 @@ class ThinkAtHard(nn.Module):
         x = self.backbone.wte(idx)
         passes = []
         run = getattr(cache, "graphed", None) or (COMPILED_PASS if self.passes_compiled else ThinkAtHard.run_pass)
-        for d in range(cfg.max_depth):  # (a decoding cache may replay each pass as a CUDA graph: generate.py)
+        for d in range(cfg.max_depth):
             h, kept = run(self, x, start + sel, d, valid, cache, subset)
             kept[cfg.n_layer] = self.backbone.norm_f(h)  # the last state after the final norm, as the authors'
             logits = self.backbone.lm_head(kept[cfg.n_layer])  # (B', Tq, V)
