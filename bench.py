@@ -453,6 +453,29 @@ def decode_vs_prompt(block, batches, device, repeats, steps, n=4, width=64):
                 f"predicted attention work, n={n} SFA / n=1", "all-full / n=1"])
 
 
+def graphed_vs_prompt(block, batches, device, repeats, steps, n=4, width=64):
+    """4c on CUDA graphs: decode tokens/s as the prompt grows, each step replayed as a CUDA graph
+    over static caches (which read their whole block, so each prompt gets models whose block just
+    fits it): n = 1, n = 4 stream-factorized, n = 4 all-full, none with the KV-mirror skip. What a
+    step then costs is its attention and projections, not its launches."""
+    arms = {"n=1": (1, "IIFLII"), "SFA": (n, "IIFLII"), "all-full": (n, "FFFFFF")}
+    rows = []
+    for B in batches:
+        for P in prompts_to(block, steps):
+            models = {}
+            for name, (streams, layout) in arms.items():
+                torch.manual_seed(0)
+                models[name] = HiddenDecoding(hd_cfg(streams, layout, P + steps, mirror_skip=False, n_embd=width,
+                                                     head_dim=width // 4, expert_hidden=width)).to(device).eval()
+            t = timeit({a: hd_decode(m, B, P, steps, device, graph=True) for a, m in models.items()}, repeats, device,
+                       warmup=1)
+            rows.append([B, P, f"{B * steps / t['n=1']:.0f}", f"{t['n=1'] / t['SFA']:.0%}",
+                         f"{t['n=1'] / t['all-full']:.0%}"])
+    show(f"4c (CUDA graph). HD decode tokens/s against prompt length, each step a CUDA graph, 6-layer MoE width "
+         f"{width}, {steps} tokens after the prompt (the targets of 4c)", rows,
+         ["batch", "prompt (tokens)", "n=1 tokens/s", f"n={n} SFA as % of n=1", f"n={n} all-full as % of n=1"])
+
+
 def window_layer(block, batches, device, repeats, steps, n=4, width=64):
     """The ring against a whole cache where it acts alone: a one-layer HD model whose layer is
     L (M^local), decoding after prompts up to the block size. On the ring a step reads the
@@ -906,7 +929,7 @@ def main(argv=None):
         cpu_beside_gpu(rep)
         compiled_decode([(1, 64)], device, rep, steps=32, width=512)
         hd_serving({"short": 64, "long": 2048}, (1, 4, 16, 64), device, rep, steps=16, width=512, graph=True)
-        decode_vs_prompt(4096 + 16, (1, 16), device, rep, steps=16, width=512)
+        graphed_vs_prompt(4096 + 16, (1, 16), device, rep, steps=16, width=512)
         return
     attention_by_mask(64 if q else 512, [1, 2, 4] if q else [1, 2, 4, 8], device, rep)
     hd_steps(16 if q else 128, [1, 2, 4] if q else [1, 2, 4, 8], device, rep)

@@ -110,3 +110,13 @@ def test_the_tah_cuda_graph_section_compares_tokens_and_passes(capfd, monkeypatc
     rows = [r for r in out.splitlines() if r.startswith(("| always |", "| decider |"))]
     assert "4l. TaH decoding with each pass a CUDA graph" in out and len(rows) == 2
     assert all(r.endswith("| yes |") for r in rows), rows
+
+
+def test_decode_against_prompt_length_runs_on_the_graph_step(capfd, monkeypatch):
+    """4c on CUDA graphs, on the CPU with the eager step over the same static caches: a row per
+    (batch, prompt), each prompt's models sized to it."""
+    monkeypatch.setattr(bench, "graphed_step", lambda model, caches, B: model)
+    bench.graphed_vs_prompt(72, (1,), "cpu", 1, steps=2)
+    out, _ = capfd.readouterr()
+    assert "4c (CUDA graph)" in out
+    assert [r.split(" | ")[1] for r in out.splitlines() if r.startswith("| 1 | ")] == ["64", "70"]
