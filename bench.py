@@ -548,11 +548,13 @@ def gqa_decode(keys, device, repeats, B=16, H=12, Hkv=2, hd=16):
 
 
 @torch.no_grad()
-def timed_decode(model, step, idx, steps, device):
-    """Greedy: the prompt eager, then `steps` calls of step(token, caches=...), timed alone.
+def timed_decode(model, step, idx, steps, device, graph=False):
+    """Greedy: the prompt eager, then `steps` calls of step(token, caches=...), timed alone. graph:
+    static caches, and the step captured after the prompt (generate.graphed_step), before the clock.
     Returns (tokens, seconds)."""
-    caches = make_caches(model)
+    caches = make_caches(model, static=graph)
     x = model(idx, caches=caches)[0][:, -1:].argmax(-1)
+    step = graphed_step(model, caches, idx.size(0)) if graph else step
     out = [x]
     sync(device)
     t = time.perf_counter()
@@ -633,8 +635,7 @@ def graphed_decode(device, repeats, steps=32, width=512, layout="IIFLII", ns=(1,
             idx = torch.randint(cfg.vocab_size, (B, P), device=device)
             for _ in range(repeats):
                 for arm in ("eager", "graph"):
-                    got, s = (timed_decode(model, model, idx, steps, device) if arm == "eager" else
-                              timed_graph_decode(model, idx, steps, device))
+                    got, s = timed_decode(model, model, idx, steps, device, graph=arm == "graph")
                     sec.setdefault((n, arm), []).append(s)
                     tokens.setdefault((n, arm), got)
         speed = {k: B * steps / statistics.median(v) for k, v in sec.items()}
@@ -649,7 +650,6 @@ def graphed_decode(device, repeats, steps=32, width=512, layout="IIFLII", ns=(1,
           "n=4 as % of n=1 (graph)", "same tokens"])
 
 
-@torch.no_grad()
 def graphed_tah(device, repeats, steps=64, width=512, n_layer=6, P=64):
     """4l (CUDA). TaH decoding with each depth's pass replayed as a CUDA graph (generate_tah(...,
     cuda_graph=True)) against eager, batch 1, greedy: every token 2 passes ("always"), and the
@@ -678,22 +678,6 @@ def graphed_tah(device, repeats, steps=64, width=512, n_layer=6, P=64):
     show(f"4l. TaH decoding with each pass a CUDA graph vs eager, {n_layer}-layer dense width {width}, batch 1, {steps} "
          f"greedy tokens after a {P}-token prompt (captures inside the time)", rows,
          ["mode", "eager (tokens/s)", "CUDA graph (tokens/s)", "graph / eager", "same tokens and passes"])
-
-
-def timed_graph_decode(model, idx, steps, device):
-    """timed_decode through generate.graphed_step: the prompt eager into static caches, the step
-    captured, then `steps` replays timed. Returns (tokens, seconds)."""
-    caches = make_caches(model, static=True)
-    x = model(idx, caches=caches)[0][:, -1:].argmax(-1)
-    step = graphed_step(model, caches, idx.size(0))
-    out = [x]
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(steps):
-        x = step(x, caches=caches)[0][:, -1:].argmax(-1)
-        out.append(x)
-    sync(device)
-    return torch.cat(out, 1), time.perf_counter() - t
 
 
 def moe_dispatch_rows(rows_list, device, repeats, width=64, E=8, k=2):
