@@ -1,7 +1,7 @@
 """
 The ablations and contrasts of train_tiny.py: what `--suite all` runs beside the headline.
 
-Built from the same pieces as the headline demonstrations (a Suite each, train_tiny.py):
+Built from the same pieces as the headline demonstrations (train_tiny.train_seed calls them):
 - the headline suites' extra arms, trained in the same (suite, seed) after the headline arms:
   HD's layouts, objectives and shared KV, each continued from the n=1 checkpoint as the paper
   runs them (HD Tables 4-6), and HD n = 1, 2, 4 from scratch (the contrast); TaH's attention
@@ -11,8 +11,6 @@ Built from the same pieces as the headline demonstrations (a Suite each, train_t
   TaH premise), the MoE backbone's
   loss-free balancing and KV-Mirror, HD's progressive protocol 1 -> 2 -> 4 (HD §2.3, §4.3), and
   TaH-3 against TaH-2 on three-hop lookups (TaH App. A.2.1).
-
-SUITES at the bottom is every suite the runner knows, in the order the report lists them.
 """
 
 import copy
@@ -25,10 +23,8 @@ from hd import HiddenDecoding, HDConfig, expand_streams
 from headline import backbone_cfg, lm_loss
 from moe import ModelConfig, Transformer
 from report import Arm, Claim, Effect, result_rows
-from runner import Suite
-from tasks import Arith, Lookups
 from tah import ThinkAtHard, oracle_depths
-from trainer import evaluate, train
+from trainer import Stage, evaluate, train
 
 
 # -----------------------------------------------------------------------------
@@ -51,9 +47,14 @@ ALL_INTRA = Arm("all-intra", "layout all-intra (every layer I)")
 PER_STREAM_KV, SHARED_KV = Arm("per-stream-kv", "per-stream KV"), Arm("shared-kv", "shared KV")
 
 
-def hd_scratch_arms():
-    """The contrast, n = 1, 2, 4 trained from scratch for P.iters steps, as (arm, n)."""
-    return [(Arm(f"n{n}-scratch", f"n={n} from scratch"), n) for n in hl.HD_CONT_NS]
+def hd_scratch_arms(P):
+    """The contrast, each n of P.hd_ns trained from scratch for P.iters steps, as (arm, n)."""
+    return [(Arm(f"n{n}-scratch", f"n={n} from scratch"), n) for n in P.hd_ns]
+
+
+def from_scratch(P):
+    """The stage of every arm trained from scratch: the HD contrast, the MoE arms."""
+    return Stage(P.iters, P.lr, P.warmup, P.batch, P.block)
 
 
 def objective_arm(objective):
@@ -64,14 +65,15 @@ def hd_continued_ablation_arms(P):
     """The ablations as the paper runs them (HD Tables 4-6: continued pretraining), each an n=2
     model expanded from the n=1 checkpoint and continued for P.hd_cont_iters steps, as (effect,
     arm, how): how is a dict of expand_streams overrides, or an int n whose headline arm this arm
-    is (layout P.layout, objective final, per-stream KV), its rows reused."""
-    L = P.n_layer
+    is (n=2 with layout P.layout, objective final, per-stream KV), its rows reused (where
+    P.hd_ns has it: else it trains, with no override)."""
+    L, n2 = P.n_layer, 2 if 2 in P.hd_ns else {}
     layouts = [(ALL_FULL, "F" * L), (FEW_FULL, P.layout), (ONE_FULL, "I" * (L - 1) + "F"), (ALL_INTRA, "I" * L)]
     return ([(HD_LAYOUTS_CONT, NO_EXPANSION, 1)]
-            + [(HD_LAYOUTS_CONT, arm, 2 if lay == P.layout else dict(layout=lay)) for arm, lay in layouts]
-            + [(HD_OBJECTIVE_CONT, objective_arm(o), 2 if o == "final" else dict(objective=o))
+            + [(HD_LAYOUTS_CONT, arm, n2 if lay == P.layout else dict(layout=lay)) for arm, lay in layouts]
+            + [(HD_OBJECTIVE_CONT, objective_arm(o), n2 if o == "final" else dict(objective=o))
                for o in ("final", "all", "sum")]
-            + [(HD_KV_CONT, PER_STREAM_KV, 2), (HD_KV_CONT, SHARED_KV, dict(shared_kv=True))])
+            + [(HD_KV_CONT, PER_STREAM_KV, n2), (HD_KV_CONT, SHARED_KV, dict(shared_kv=True))])
 
 
 def hd_ablations(P, run, seed, data, trained):
@@ -86,11 +88,11 @@ def hd_ablations(P, run, seed, data, trained):
         train(f"hd/n=2 continued, {arm.label}", model, lm_loss, data, hl.continuation(P), run, seed,
               first_batch=P.hd_base_iters)
         rows += result_rows(effect, arm, seed, evaluate(model, data, P, run))
-    for arm, n in hd_scratch_arms():
+    for arm, n in hd_scratch_arms(P):
         torch.manual_seed(seed)
         cfg = HDConfig(**backbone_cfg(P, data.vocab_size, layout=P.layout, window=P.window, n_streams=n))
         model = HiddenDecoding(cfg).to(run.device)
-        train(f"hd/{arm.label}", model, lm_loss, data, P, run, seed)
+        train(f"hd/{arm.label}", model, lm_loss, data, from_scratch(P), run, seed)
         rows += result_rows(HD_SCRATCH, arm, seed, evaluate(model, data, P, run))
     return rows
 
@@ -171,7 +173,7 @@ def tah_attention_ablations(P, run, seed, data, trained):
     for attention in TAH_ATTENTION_ABLATIONS:
         m = hl.from_base(t.base, attention)
         train(f"{t.tag}/TaH stage 1, {attention}", m, hl.OracleLoss(t.oracle), data, t.stages.sft, run, seed,
-              first_batch=t.stages.base.iters)
+              first_batch=t.stages.base.steps)
         if attention == "first_depth":
             rows += result_rows(ATTENTION[t.tag], DUO_CAUSAL, seed, t.evaluate(t.models["tah"], "oracle")[0])
         rows += result_rows(ATTENTION[t.tag], attention_arm(attention), seed, t.evaluate(m, "oracle")[0])
@@ -282,23 +284,23 @@ def tah3_protocol(P, run, seed, data):
         models[arm].load_state_dict(base.state_dict())
         if depth == 1:
             train("tah3/Standard", models[arm], hl.standard_loss, data, stages.sft, run, seed,
-                  first_batch=stages.base.iters)
+                  first_batch=stages.base.steps)
             ref = copy.deepcopy(models[arm]).eval().requires_grad_(False)
         else:
             oracle = (IteratedOracle(ref, copy.deepcopy(models[TAH2_ARM]).eval().requires_grad_(False), data)
                       if arm == TAH3_ITER_ARM else hl.Oracle(ref, depth, data))
             hl.train_tah(f"tah3/{arm.label}", models[arm], oracle, data, stages, run, seed)
     return [r for arm, m in models.items()
-            for r in result_rows(TAH3, arm, seed, tah_by_hops(m, data, stages.base, run, arm != hl.STANDARD))], {}
+            for r in result_rows(TAH3, arm, seed, tah_by_hops(m, data, stages, run, arm != hl.STANDARD))], {}
 
 
 @torch.no_grad()
-def tah_by_hops(model, data, P, run, decider):
+def tah_by_hops(model, data, stages, run, decider):
     """Answer accuracy and passes per query by hop count, and the share of all positions at 2 and
     at 3 passes, over the evaluation batches (decider routing, or standard)."""
     model.eval()
     ok, passes, kinds, depths = [], [], [], []
-    for x, y in hl.eval_batches(data, P, run):
+    for x, y in hl.eval_batches(data, stages, run):
         out = model(x, y, mode="decider" if decider else "standard")
         keep = y != -1
         ok.append((out.logits.argmax(-1) == y)[keep])
@@ -346,7 +348,7 @@ def moe_arm(P, run, seed, data, arm, **overrides):
     """One backbone from scratch for P.iters steps: its held-out metrics and expert load."""
     torch.manual_seed(seed)
     model = Transformer(ModelConfig(**backbone_cfg(P, data.vocab_size, **overrides))).to(run.device)
-    train(f"moe/{arm.label}", model, lm_loss, data, P, run, seed)
+    train(f"moe/{arm.label}", model, lm_loss, data, from_scratch(P), run, seed)
     loads = []
 
     def watch(m, x, y):  # the trained model's expert loads on each held-out batch
@@ -374,36 +376,3 @@ def moe_mirror(P, run, seed, data, trained):
 
 
 MOE_CLAIMS = [Claim("loss-free bias balances the experts", MOE_BALANCE, MOE_ON, MOE_OFF, MOE_LOAD, -1)]
-
-
-# -----------------------------------------------------------------------------
-# Every suite, in the report's order: the headline suites with their extra arms, then the rest
-
-
-def hidden_lookups(P):
-    return Lookups(P.symbols, P.queries, P.two_hop, per_problem=True)
-
-
-def addition(P):
-    return Arith(P.digits)
-
-
-def three_hop_lookups(P):
-    return Lookups(P.symbols, P.queries, P.two_hop, P.three_hop)
-
-
-
-SUITES = [
-    replace(hl.HD, extra=hd_ablations, claims=hl.HD.claims + HD_ABLATION_CLAIMS),
-    replace(hl.TAH, extra=tah_attention_ablations, claims=hl.TAH.claims + [attention_claim("tah", "TaH, lookups")]),
-    Suite("tah-hidden", tah_hidden, hl.tah_claims(TAH_HIDDEN_FX, HIDDEN) + router_claims(TAH_HIDDEN_FX, HIDDEN)
-          + hl.inside_claims(TAH_HIDDEN_FX, HIDDEN), task=hidden_lookups,
-          batch="tah_batch", plots=[hl.plot_tah_tradeoff], outputs=("tah_tradeoff.png",)),
-    Suite("tah-add", tah_addition, hl.tah_claims(TAH_ADD_FX, "TaH, addition") + [attention_claim("tah-add",
-          "TaH, addition")], task=addition, batch="tah_batch", extra=tah_attention_ablations,
-          plots=[hl.plot_tah_tradeoff], outputs=("tah_tradeoff.png",)),
-    Suite("moe", moe_protocol, MOE_CLAIMS, extra=moe_mirror),
-    Suite("hd-progressive", hd_progressive, HD_PROG_CLAIMS),
-    Suite("tah3", tah3_protocol, TAH3_CLAIMS, task=three_hop_lookups,
-          batch="tah_batch"),
-]

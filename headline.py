@@ -1,12 +1,13 @@
 """
-The two headline demonstrations of train_tiny.py, each one Suite: Hidden Decoding's expansion
+The two headline demonstrations of train_tiny.py: Hidden Decoding's expansion
 factor n, continued from one n = 1 checkpoint (HD §2.3, Table 5), and Think-at-Hard's routing on
 in-context lookups (TaH §4.3, §5). Read top to bottom: the shared pieces, then for each paper its
-protocol, the rows it writes, the claims on them, what it looks inside, and its Suite.
+protocol, the rows it writes, the claims on them, and what it looks inside.
 
 A protocol is protocol(P, run, seed, data) -> (rows, trained): P the budget (train_tiny.Preset),
 run the run's context (trainer.Run), data the task; `trained` is what ablations.py builds its
-extra arms on (HDTrained, TaHTrained). Each arm trains from the same seed on the same batches.
+extra arms on (HDTrained, TaHTrained). Each stage's steps and learning rate are named where it
+trains (trainer.Stage). Each arm trains from the same seed on the same batches.
 """
 
 import copy
@@ -20,11 +21,9 @@ import torch
 from hd import HDConfig, HiddenDecoding, expand_streams
 from inside import OUTCOMES, iteration_outcomes, stream_line, stream_name, stream_probes, tah_trace
 from report import Arm, Claim, Effect, result_rows, plot_streams, plot_sweep, plot_trace, trace_table
-from runner import Suite
 from tah import TaHConfig, ThinkAtHard, oracle_depths
 from tasks import Lookups, answer_exact, atomic
-from processes import MASTER
-from trainer import batch_gen, evaluate, finite_loss, train
+from trainer import Stage, batch_gen, evaluate, finite_loss, rank_world, train
 
 
 # -----------------------------------------------------------------------------
@@ -45,7 +44,7 @@ def lm_loss(model, x, y):
 
 def save_inside(run, name, text):
     """An analysis of the first seed's models, kept with the run (the report copies it out)."""
-    if MASTER:
+    if rank_world()[0] == 0:
         (run.run_dir / "inside").mkdir(exist_ok=True)
         atomic(run.run_dir / "inside" / name, lambda f: f.write(text.encode()))
 
@@ -57,9 +56,6 @@ def save_inside(run, name, text):
 HD_N = Effect("hd-n", "HD: expansion factor n, continued from one n=1 checkpoint",
               "6B MoE loss: baseline 1.908, HD n=2 1.874, n=3 1.857 (HD Table 5); each stage continues the "
               "previous one's checkpoint (HD §2.3)")
-HD_CONT_NS = (1, 2, 4)  # the HD headline's arms, each continued from the n=1 checkpoint
-
-
 def hd_cont_arm(n):
     return Arm(f"n{n}-continued", f"n={n} continued")
 
@@ -69,13 +65,14 @@ def hd_backbone(P, run, seed, data, tag):
     torch.manual_seed(seed)
     cfg = HDConfig(**backbone_cfg(P, data.vocab_size, layout=P.layout, window=P.window, n_streams=1))
     base = HiddenDecoding(cfg).to(run.device)
-    train(f"{tag}/backbone n=1", base, lm_loss, data, replace(P, iters=P.hd_base_iters), run, seed)
+    train(f"{tag}/backbone n=1", base, lm_loss, data, Stage(P.hd_base_iters, P.lr, P.warmup, P.batch, P.block), run,
+          seed)
     return base
 
 
 def continuation(P):
-    """Every continued arm's budget: P.hd_cont_iters steps at peak rate P.hd_cont_lr."""
-    return replace(P, iters=P.hd_cont_iters, lr=P.hd_cont_lr)
+    """Every continued arm's stage: P.hd_cont_iters steps at peak rate P.hd_cont_lr."""
+    return Stage(P.hd_cont_iters, P.hd_cont_lr, P.warmup, P.batch, P.block)
 
 
 BACKBONE = Arm("n1-backbone", "n=1 backbone (start of every arm)")
@@ -92,28 +89,32 @@ class HDTrained:
 
 def hd_protocol(P, run, seed, data):
     """The paper's continued-pretraining protocol (HD §2.3, §4): pretrain an n = 1 backbone, then
-    continue it as n = 1 (the control), 2 and 4 on the same batches for the same steps, each
-    expanded with E_k <- E_{k mod n}."""
+    continue it as each n of P.hd_ns (1, 2 and 4 by default; n = 1 is the control) on the same
+    batches for the same steps, each expanded with E_k <- E_{k mod n}."""
     base = hd_backbone(P, run, seed, data, "hd")
     rows = result_rows(HD_N, BACKBONE, seed, evaluate(base, data, P, run))
     rows += result_rows(HD_N, JUST_EXPANDED, seed, evaluate(expand_streams(base, 2), data, P, run))
-    headline, models = {}, {n: expand_streams(base, n).to(run.device) for n in HD_CONT_NS}
+    headline, models = {}, {n: expand_streams(base, n).to(run.device) for n in P.hd_ns}
     for n, model in models.items():
         train(f"hd/n={n} continued", model, lm_loss, data, continuation(P), run, seed, first_batch=P.hd_base_iters)
         headline[n] = evaluate(model, data, P, run)
         rows += result_rows(HD_N, hd_cont_arm(n), seed, headline[n])
-        if n in HD_INSIDE:  # the probes of HD §5.2-5.3 (seconds)
+        if n > 1:  # the probes of HD §5.2-5.3 (seconds)
             rows += hd_inside_rows(model, data, P, run, seed)
-            if n == max(HD_INSIDE) and seed == run.seeds[0]:
+            if n == max(P.hd_ns) and seed == run.seeds[0]:
                 save_inside(run, "hd_line.md", stream_line(model, data.windows(run.eval_split, P.block)[0][0], data.decode))
     return rows, HDTrained(base, headline)
 
 
-HD_CLAIMS = [
-    Claim("HD n=2 beats n=1 (continued from one checkpoint)", HD_N, hd_cont_arm(2), hd_cont_arm(1), "loss", -1),
-    Claim("HD n=4 beats n=1 (continued from one checkpoint)", HD_N, hd_cont_arm(4), hd_cont_arm(1), "loss", -1),
-    Claim("HD gain grows with n: n=4 beats n=2", HD_N, hd_cont_arm(4), hd_cont_arm(2), "loss", -1),
-]
+def hd_claims(ns):
+    """Every n > 1 beats n = 1 (the control), and the gain grows with n: each n beats the one
+    before it (n=4 beats n=2 by default); then what the probes show inside each n > 1."""
+    more = [n for n in ns if n > 1]
+    return ([Claim(f"HD n={n} beats n=1 (continued from one checkpoint)", HD_N, hd_cont_arm(n), hd_cont_arm(1),
+                   "loss", -1) for n in more]
+            + [Claim(f"HD gain grows with n: n={b} beats n={a}", HD_N, hd_cont_arm(b), hd_cont_arm(a), "loss", -1)
+               for a, b in zip(more, more[1:])]
+            + [c for n in more for c in hd_inside_claims(n)])
 
 
 # HD inside (HD §5.2-5.3): the probes of inside.py on the n=2 and n=4 models just trained
@@ -141,7 +142,6 @@ def hd_inside_effects(n):
                           "positions; the final stream has the lowest entropy, 2.09 bits at n=8 (HD Fig. 7)"))
 
 
-HD_INSIDE = {n: hd_inside_effects(n) for n in (2, 4)}
 SAME, DIFFERENT = Arm("same", "same token"), Arm("different", "different tokens")
 LOWEST_OTHER = Arm("lowest-other", "lowest-entropy other stream")
 LEAST_GAP, DIFFERS, BITS = "where the gap is least", "top-1 differs from the final stream's", "entropy (bits)"
@@ -158,8 +158,8 @@ def state_name(l):
 def hd_inside_rows(model, data, P, run, seed):
     """The HD probes (inside.stream_probes) on the first INSIDE_WINDOWS held-out windows."""
     n, layout = model.cfg.n_streams, model.cfg.layout
-    cos_fx, mass_fx, head_fx = HD_INSIDE[n]
-    xs = data.windows(run.eval_split, P.block)[0][:P.batch if run.probing else INSIDE_WINDOWS]
+    cos_fx, mass_fx, head_fx = hd_inside_effects(n)
+    xs = data.windows(run.eval_split, P.block)[0][:INSIDE_WINDOWS]
     cross, (same, diff, mass, differs, bits) = stream_probes(model, xs, P.batch)
     least = min(range(len(same)), key=lambda l: same[l] - diff[l])  # "above at every layer" = above here
     rows = []
@@ -173,20 +173,21 @@ def hd_inside_rows(model, data, P, run, seed):
     return rows + result_rows(head_fx, LOWEST_OTHER, seed, {BITS: min(bits[:-1])})
 
 
-HD_INSIDE_CLAIMS = [c for n in (2, 4) for c in (
-    Claim(f"HD n={n} inside: a token's streams are more alike than different tokens' at every layer",
-          HD_INSIDE[n].cosine, SAME, DIFFERENT, LEAST_GAP, +1),
-    Claim(f"HD n={n} inside: the final stream has the lowest entropy", HD_INSIDE[n].head, stream_arm(n - 1, n),
-          LOWEST_OTHER, BITS, -1))]
+def hd_inside_claims(n):
+    fx = hd_inside_effects(n)
+    return [Claim(f"HD n={n} inside: a token's streams are more alike than different tokens' at every layer",
+                  fx.cosine, SAME, DIFFERENT, LEAST_GAP, +1),
+            Claim(f"HD n={n} inside: the final stream has the lowest entropy", fx.head, stream_arm(n - 1, n),
+                  LOWEST_OTHER, BITS, -1)]
 
 
-def plot_hd_streams(summary, out, eval_set, run_dir):
-    return plot_streams(summary, out, *({n: getattr(fx, f).name for n, fx in HD_INSIDE.items()} for f in HDInside._fields))
+def plot_hd_streams(summary, out, ns):
+    """HD's streams figure (report.plot_streams) over the n > 1 of ns."""
+    fxs = {n: hd_inside_effects(n) for n in ns if n > 1}
+    return plot_streams(summary, out, *({n: getattr(fx, f).name for n, fx in fxs.items()} for f in HDInside._fields))
 
 
-HD = Suite("hd", hd_protocol, HD_CLAIMS + HD_INSIDE_CLAIMS, plots=[plot_hd_streams], outputs=("hd_streams.png",),
-           inside={"hd_line.md": "HD inside: one held-out line, each stream's top-1 token and its probability "
-                                 "(HD Fig. 8)"})
+HD_INSIDE_MD = {"hd_line.md": "HD inside: one held-out line, each stream's top-1 token and its probability (HD Fig. 8)"}
 
 
 # -----------------------------------------------------------------------------
@@ -237,10 +238,11 @@ def tah_config(P, task, n_layer):
 
 
 class TaHStages(NamedTuple):
-    """The budgets of a TaH suite's stages."""
-    base: object  # the base model, pretrained on the task
-    sft: object  # each fine-tune from the base: Standard, AlwaysThink, TaH stage 1
-    stage2: object  # TaH stage 2: the decider alone
+    """The stages of a TaH suite (trainer.Stage each), and the held-out batches of an evaluation."""
+    base: Stage  # the base model, pretrained on the task
+    sft: Stage  # each fine-tune from the base: Standard, AlwaysThink, TaH stage 1
+    stage2: Stage  # TaH stage 2: the decider alone
+    evals: int
 
 
 def tah_stages(P, task):
@@ -249,11 +251,10 @@ def tah_stages(P, task):
     problems only: the tokens of a problem cut off at the block's end carry no target that
     its pairs or operands could serve (a row starts at a problem), so they are not computed."""
     block = P.block // task.problem_len * task.problem_len
-    base = replace(P, batch=P.tah_batch, block=block, iters=P.tah_base_iters, lr=P.tah_base_lr,
-                   warmup=min(50, P.tah_base_iters))
-    sft = replace(base, iters=P.tah_sft_iters, lr=P.tah_sft_lr, warmup=min(10, P.tah_sft_iters))
-    stage2 = replace(base, iters=P.decider_iters, lr=P.decider_lr, warmup=min(10, P.decider_iters))
-    return TaHStages(base, sft, stage2)
+    return TaHStages(base=Stage(P.tah_base_iters, P.tah_base_lr, min(50, P.tah_base_iters), P.tah_batch, block),
+                     sft=Stage(P.tah_sft_iters, P.tah_sft_lr, min(10, P.tah_sft_iters), P.tah_batch, block),
+                     stage2=Stage(P.decider_iters, P.decider_lr, min(10, P.decider_iters), P.tah_batch, block),
+                     evals=P.tah_eval_batches)
 
 
 def standard_loss(model, x, y):
@@ -288,7 +289,7 @@ def tah_protocol(P, run, seed, data, tag="tah", fx=TAH_FX, n_layer=None, router=
     skeptic names: stage 1 on a token-type router's depths, which it keeps at evaluation."""
     stages = tah_stages(P, data)
     base = tah_base(P, run, seed, data, tah_config(P, data, n_layer or P.tah_layers), tag, stages)
-    later = dict(first_batch=stages.base.iters)  # the fine-tunes: the batches after the base model's
+    later = dict(first_batch=stages.base.steps)  # the fine-tunes: the batches after the base model's
     models = {"standard": from_base(base), "always": from_base(base), "tah": from_base(base)}
     train(f"{tag}/Standard", models["standard"], standard_loss, data, stages.sft, run, seed, **later)
     oracle = Oracle(copy.deepcopy(models["standard"]).eval().requires_grad_(False), base.cfg.max_depth, data)
@@ -301,19 +302,19 @@ def tah_protocol(P, run, seed, data, tag="tah", fx=TAH_FX, n_layer=None, router=
     trained = TaHTrained(tag, base, models, oracle, route, stages, data, run)
     rows = tah_routing_rows(fx, models, trained.evaluate, seed)
     if isinstance(data, Lookups):  # what the second pass does (TaH Figs. 5, 7)
-        rows += tah_inside_rows(models["tah"], data, stages.base, run, seed, fx)
+        rows += tah_inside_rows(models["tah"], data, stages, run, seed, fx)
         if tag == "tah" and seed == run.seeds[0]:
-            tah_problem(models["tah"], data, stages.base, run)
+            tah_problem(models["tah"], data, stages, run)
     return rows, trained
 
 
 def train_tah(name, model, oracle, data, stages, run, seed):
     """TaH's two stages (§4.3) from the base, on the batches after the base model's: stage 1
     (backbone and LoRA, the oracle's depths), then stage 2 (the decider alone)."""
-    train(f"{name} stage 1", model, OracleLoss(oracle), data, stages.sft, run, seed, first_batch=stages.base.iters)
+    train(f"{name} stage 1", model, OracleLoss(oracle), data, stages.sft, run, seed, first_batch=stages.base.steps)
     model.requires_grad_(False).decider.requires_grad_(True)  # stage 2: only the decider learns
     train(f"{name} stage 2 (decider)", model, lambda m, x, y: m.stage2_loss(x, oracle(x, y))[0],
-          data, stages.stage2, run, seed, first_batch=stages.base.iters + stages.sft.iters)
+          data, stages.stage2, run, seed, first_batch=stages.base.steps + stages.sft.steps)
 
 
 @dataclass
@@ -331,7 +332,7 @@ class TaHTrained:
     run: object
 
     def evaluate(self, model, mode, threshold=None):
-        return tah_eval(model, self.data, self.stages.base, self.run, mode, self.oracle, threshold, self.route)
+        return tah_eval(model, self.data, self.stages, self.run, mode, self.oracle, threshold, self.route)
 
 
 class OracleLoss:
@@ -377,22 +378,22 @@ class TokenRouter:
         return model.stage1_loss(x, y, self(x))
 
 
-def eval_batches(data, P, run):
-    """The held-out batches every TaH evaluation reads (one in the planning probe), on the device."""
-    for k in range(1 if run.probing else P.tah_eval_batches):
-        x, y = data.batch(run.eval_split, P.batch, P.block, batch_gen(run.eval_seed, k, run.eval_split))
+def eval_batches(data, stages, run):
+    """The held-out batches every TaH evaluation reads, of the base stage's shape, on the device."""
+    for k in range(stages.evals):
+        x, y = data.batch(run.eval_split, stages.base.batch, stages.base.block, batch_gen(run.eval_seed, k, run.eval_split))
         yield x.to(run.device), y.to(run.device)
 
 
 @torch.no_grad()
-def tah_eval(model, data, P, run, mode, oracle, threshold=None, route=None):
+def tah_eval(model, data, stages, run, mode, oracle, threshold=None, route=None):
     """Held-out metrics of one routing mode (or "router": the oracle mode on route's depths) over
     the answers (the targets): loss, accuracy, whole-problem exact match, tokens iterated and
     passes per token (all positions), and per-token outcomes (for revision counts against
     Standard); for the decider, how well it imitates the oracle."""
     model.eval()
     losses, ems, iterated, outcomes = [], [], [], {"ok": [], "first_ok": [], "hard": [], "went": []}
-    for x, y in eval_batches(data, P, run):
+    for x, y in eval_batches(data, stages, run):
         depths = oracle(x, y)
         given = depths if mode == "oracle" else route(x) if mode == "router" else None  # depths to follow
         out = model(x, y, mode="oracle" if given is not None else mode, depths=given, threshold=threshold)
@@ -485,13 +486,13 @@ QUERIES, FIXES, SENT = Arm("queries", "every query token"), "corrected - corrupt
 
 
 @torch.no_grad()
-def tah_inside_rows(model, data, P, run, seed, fx, threshold=None):
+def tah_inside_rows(model, data, stages, run, seed, fx, threshold=None):
     """For the tokens the decider sends on: their top-1 after the first pass and after the last,
     against the next token, counted by query type (TaH Fig. 5), and the share of each type sent on;
     with one query token per symbol (the hop count per problem), the share of all queries too."""
     model.eval()
     counts, totals, queries = {}, {}, [0, 0]  # queries: sent on, all
-    for x, y in eval_batches(data, P, run):
+    for x, y in eval_batches(data, stages, run):
         out = model(x, mode="decider", threshold=threshold)
         nxt = torch.cat([x[:, 1:], y[:, -1:]], 1)  # the next token; the last position's only if it is a target
         kind = data.hops(x)
@@ -512,11 +513,11 @@ def tah_inside_rows(model, data, P, run, seed, fx, threshold=None):
     return rows
 
 
-def tah_problem(model, data, P, run):
+def tah_problem(model, data, stages, run):
     """The first held-out problem with a two-hop query, traced through the decider-routed model
     (TaH Figs. 5 and 7), kept with the run: a markdown table of its tokens (tah_problem.md) and a
     picture of its passes, scores and the second pass's duo-causal attention (tah_problem.png)."""
-    x, _ = next(eval_batches(data, P, run))
+    x, _ = next(eval_batches(data, stages, run))
     L = data.problem_len
     problems = x[:, :x.size(1) // L * L].reshape(-1, L)
     idx = problems[(data.hops(problems) == 2).any(1).nonzero()[0, 0]][None]
@@ -525,7 +526,7 @@ def tah_problem(model, data, P, run):
     model.train()
     names = [data.describe(t) for t in idx[0].tolist()]
     save_inside(run, "tah_problem.md", trace_table(trace, names, data.describe))
-    if MASTER:
+    if rank_world()[0] == 0:
         plot_trace(trace, names, model.cfg.threshold, run.run_dir / "inside" / "tah_problem.png", data.describe)
 
 
@@ -534,23 +535,16 @@ def inside_claims(fx, task):
                   fx.inside, KINDS[2], 0, FIXES, +1)]
 
 
-def plot_tah_tradeoff(summary, out, eval_set, run_dir):
+def plot_tah_tradeoff(summary, out, eval_set):
     """Every TaH task's threshold sweep in the rows, one panel each."""
     sweeps = list(dict.fromkeys(s["effect"] for s in summary if s["effect"].startswith("TaH: decider threshold")))
     return plot_sweep(summary, out, eval_set, sweeps, (STANDARD.label, ALWAYS.label))
 
 
-def copy_tah_problem(summary, out, eval_set, run_dir):
+def copy_tah_problem(run_dir, out):
     trace = run_dir / "inside" / "tah_problem.png"
     return shutil.copyfile(trace, out / trace.name) if trace.exists() else None
 
 
-def lookups(P):
-    return Lookups(P.symbols, P.queries, P.two_hop)
-
-
-TAH = Suite("tah", tah_protocol, tah_claims(TAH_FX, "TaH, lookups") + inside_claims(TAH_FX, "TaH, lookups"),
-            task=lookups, batch="tah_batch",
-            plots=[plot_tah_tradeoff, copy_tah_problem], outputs=("tah_tradeoff.png", "tah_problem.png"),
-            inside={"tah_problem.md": "TaH inside: one held-out lookup problem through the decider (TaH Figs. 5 "
-                                      "and 7)"})
+TAH_CLAIMS = tah_claims(TAH_FX, "TaH, lookups") + inside_claims(TAH_FX, "TaH, lookups")
+TAH_INSIDE_MD = {"tah_problem.md": "TaH inside: one held-out lookup problem through the decider (TaH Figs. 5 and 7)"}

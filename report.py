@@ -16,9 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from processes import log
 from tasks import atomic
-from trainer import loss_curves
 
 
 @dataclass(frozen=True)
@@ -558,25 +556,22 @@ def plot_masks(path):
 # The report of a run
 
 
-def write_report(rows, suites, ran, header, run, out, meta, brief=False):
+def write_report(rows, claims, header, run, out, meta, inside, brief=False):
     """<out>/results.md and results.json (`meta`, then the rule, summary and verdicts) from the
-    rows alone, judged by the claims of every suite whose rows are there; the loss curves and
-    the plots of the suites that ran (`ran`); the first seed's analyses kept in <run>/inside."""
-    summary, verdicts = summarize(rows), judge(rows, [c for s in suites for c in s.claims])
-    titles = {f: title for s in suites for f, title in s.inside.items()}
-    kept = [(f, title) for f, title in titles.items() if (run.run_dir / "inside" / f).exists()]
+    rows alone, judged by every claim whose effect has rows, with the first seed's analyses kept
+    in <run>/inside (`inside`: file -> title). Prints the tables (brief: one line). Returns the
+    summary, which the figures read."""
+    summary, verdicts = summarize(rows), judge(rows, claims)
+    kept = [(f, title) for f, title in inside.items() if (run.run_dir / "inside" / f).exists()]
     md = table(summary, verdicts, header) + "".join(
         f"\n\n**{title}**, seed {run.seeds[0]}\n\n" + (run.run_dir / "inside" / f).read_text() for f, title in kept)
     atomic(out / "results.md", lambda f: f.write((md + "\n").encode()))
     atomic(out / "results.json", lambda f: f.write(json.dumps(
         {**meta, "rule": RULE, "summary": summary, "verdicts": verdicts}, indent=1).encode()))
-    eval_set = "dev" if run.eval_split == "dev" else "held-out"
-    plots = dict.fromkeys(p for s in ran for p in s.plots)
-    png = [plot(loss_curves(run.run_dir), out)] + [p(summary, out, eval_set, run.run_dir) for p in plots]
     shown = f"{sum(v['verdict'] == 'shown' for v in verdicts)} of {len(verdicts)} claims shown"
-    log(("\n" + md if not brief else f"\n{len(rows)} rows of {len(summary)} (effect, arm, metric)s; {shown} (a plumbing "
-         f"check decides nothing)") + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}"
-        + "".join(f", {p}" for p in png if p))
+    print(("\n" + md if not brief else f"\n{len(rows)} rows of {len(summary)} (effect, arm, metric)s; {shown} (a "
+           f"plumbing check decides nothing)") + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}", flush=True)
+    return summary
 
 
 def main(argv=None):

@@ -1,85 +1,104 @@
 """
-The runner of train_tiny.py: what turns suites into a run. A learner may skip this file.
+The machinery of train_tiny.py: everything a run needs that is not the experiment. A learner
+may skip this file; train_tiny.py reaches it through two calls.
 
-A script declares its suites (Suite, below) and presets and hands them over as a Lab:
-train_tiny.py ends with `runner.main(argv, LAB)`. The runner imports no demonstration. It owns
-the command line (checked whole before anything trains, one line per problem); the run's folder,
-key, rows and resume bookkeeping; the planning probe and the plan the progress line counts down;
---jobs processes and Ctrl-C; the report (results.md, results.json, the plots).
+    with runner.Session(argv, ...) as run:     # the command line, torchrun, the run's folder, Ctrl-C
+        run.train(work, suite, seed, data)     # each (suite, seed): here, or in a --jobs process
+
+A Session checks the command line whole before anything trains (one line per problem), starts
+torchrun's process group, opens the run's folder (keyed by everything that can change a
+result; the rows of the (suite, seed)s already done, the checkpoints of the rest), and turns
+Ctrl-C and file-system errors into one line. Session.train skips a (suite, seed) that is done,
+runs the rest in this process or (--jobs) each in a fresh process, saves its rows as it
+finishes, and says the run's time left from the pace of what has finished. The call for the
+last (suite, seed) to do waits for the --jobs processes still running: `run.rows` then holds
+every row, in order.
 """
 
 import argparse
+import contextlib
+import datetime
 import hashlib
 import json
+import multiprocessing
 import os
+import queue
 import re
 import shutil
+import signal
+import socket
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from processes import DDP, MASTER, PROGRESS, WORLD, log, run_in_processes, start_ddp
-from report import write_report
-from tasks import load_text
-from trainer import Run, load_rows, save_rows
+from tasks import atomic
+from trainer import Run
 
 MAX_SEED0 = (2**63 - 1 - 2 * 10**9) // 1_000_003 - 10**6  # room for 10^6 seeds and 10^9 steps
 
 
 # -----------------------------------------------------------------------------
-# What a script hands the runner
+# torchrun's ranks: read once, at import
 
 
-@dataclass
-class Suite:
-    """One demonstration, declared in one place; the runner reads everything else off it.
+def dist_env(env):
+    """(ddp, rank, world) from torchrun's variables, with one clear error when they do not fit."""
+    if env.get("RANK") is None:
+        return False, 0, 1
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        raise SystemExit(f"error: RANK={env.get('RANK')!r} needs an integer WORLD_SIZE (got "
+                         f"{env.get('WORLD_SIZE')!r}); launch with torchrun, or unset RANK")
+    if not 0 <= rank < world:
+        raise SystemExit(f"error: RANK={rank} is not in [0, WORLD_SIZE={world})")
+    missing = [k for k in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise SystemExit(f"error: RANK is set but {', '.join(missing)} not: launch with torchrun, or unset RANK")
+    if not env["MASTER_PORT"].isdigit() or not env["LOCAL_RANK"].isdigit():
+        raise SystemExit(f"error: MASTER_PORT and LOCAL_RANK must be integers, got {env['MASTER_PORT']!r} and "
+                         f"{env['LOCAL_RANK']!r}")
+    if not 0 < int(env["MASTER_PORT"]) < 65536:
+        raise SystemExit(f"error: MASTER_PORT must be a port in 1..65535, got {env['MASTER_PORT']}")
+    return True, rank, world
 
-    protocol(P, run, seed, data) trains the arms of one seed and returns (rows, trained): rows
-    (report.result_rows; claims match them by the effect's and arm's ids), and what `extra` builds on. An effect's first arm
-    is the baseline its other arms are compared with, seed by seed; the report reads only rows.
-    extra(P, run, seed, data, trained), on runs of every arm, trains the ablation arms after the
-    protocol's, in the same (suite, seed). plots(summary, out, eval_set, run_dir) each draw one
-    figure (its path, or None); `inside` names the analyses (markdown) the protocol keeps in
-    <run>/inside, with their titles; `outputs` the files of <out> its plots write. Every callable
-    is a module-level function, so that a --jobs process receives the suite whole."""
-    name: str
-    protocol: Callable
-    claims: list
-    task: Optional[Callable] = None  # Preset -> the task; None: the text (Shakespeare, or --data)
-    batch: str = "batch"  # the Preset field that is this suite's global batch
-    extra: Optional[Callable] = None
-    plots: list = field(default_factory=list)
-    inside: dict = field(default_factory=dict)
-    outputs: tuple = ()
+
+DDP, RANK, WORLD = dist_env(os.environ)
+MASTER = RANK == 0
 
 
-@dataclass(frozen=True)
-class Lab:
-    """A script's suites and budgets: `suites` every Suite in the report's order, `headline` the
-    names a plain run trains, `presets` name -> Preset ("default", "large" and "smoke"),
-    `check(P, device)` the first problem of a preset as one line (or None), `doc` the --help text,
-    `describe(P, device)` what a run's first lines say of how its models run."""
-    suites: tuple
-    headline: tuple
-    presets: dict
-    check: Callable
-    doc: str
-    describe: Callable = lambda P, device: ""
+def start_ddp(device, timeout=60):
+    """torchrun's process group (nccl on CUDA, gloo on CPU), or one line saying why not: an
+    address that does not resolve, a port in use, no rendezvous within `timeout` seconds.
+    Returns the device this rank trains on."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        socket.getaddrinfo(addr, port)
+    except OSError as e:
+        raise SystemExit(f"error: MASTER_ADDR={addr!r} does not resolve ({e.strerror or e}); launch with torchrun")
+    try:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, ValueError) as e:  # c10d's DistNetworkError and friends
+        raise SystemExit(f"error: the DDP process group did not start at {addr}:{port} "
+                         f"({str(e).splitlines()[0][:200]}); is the port free, and did every rank start?")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        return f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    return device
 
-    def suite(self, name):
-        return next(s for s in self.suites if s.name == name)
 
-    def names(self):
-        return [s.name for s in self.suites]
+def log(*a):
+    if MASTER:
+        print(*a, flush=True)
 
 
 # -----------------------------------------------------------------------------
-# Command line
+# The command line
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -95,34 +114,20 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def flag(ap, name, **kw):
     """One option under both spellings, --a_b and --a-b."""
-    spellings = dict.fromkeys((f"--{name.replace('-', '_')}", f"--{name.replace('_', '-')}"))
-    return ap.add_argument(*spellings, **kw)
-
-
-def preset_flags(ap, presets):
-    """One flag per Preset field, nanoGPT style (--n_layer=4, --plays=macbeth,hamlet): each
-    overrides the chosen preset's value."""
-    group = ap.add_argument_group("preset overrides (default: the preset's value)")
-    for f in fields(presets["default"]):
-        kind = type(f.default)
-        parse_value = (lambda v: tuple(x for x in v.split(",") if x)) if kind is tuple else kind
-        values = ", ".join(f"{k} {flag_form(getattr(p, f.name))}" for k, p in presets.items())
-        what = f.metadata.get("help")
-        flag(group, f.name, type=parse_value, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
-             help=f"{what}; preset {values}" if what else f"preset {values}")
+    return ap.add_argument(*dict.fromkeys((f"--{name}", f"--{name.replace('_', '-')}")), **kw)
 
 
 def flag_form(value):
     """A preset value as the flag takes it: a tuple as a comma list (empty: '')."""
-    return (",".join(value) or "''") if isinstance(value, tuple) else str(value)
+    return (",".join(map(str, value)) or "''") if isinstance(value, tuple) else str(value)
 
 
-def parser(lab):
-    ap = argparse.ArgumentParser(description=lab.doc, formatter_class=HelpFormatter)
-    flag(ap, "suite", default="headline", metavar="{headline,all," + ",".join(lab.headline) + ",...}",
-         help=f"headline: {' and '.join(lab.headline)}; all: every suite with every ablation arm; or a comma list of "
-              + ",".join(lab.names()))
-    flag(ap, "preset", choices=sorted(lab.presets),
+def parser(doc, presets, suites, headline):
+    ap = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
+    flag(ap, "suite", default="headline", metavar="{headline,all," + ",".join(headline) + ",...}",
+         help=f"headline: {' and '.join(headline)}; all: every suite with every ablation arm; or a comma list of "
+              + ",".join(suites))
+    flag(ap, "preset", choices=sorted(presets),
          help="the budget: default (when not given) is the measured protocol, on any device; large is wider and "
               "longer, for a GPU, and not yet measured%(default).0s")
     flag(ap, "smoke", action="store_true", help="every suite's code path, tiny and fast (its own preset)")
@@ -151,75 +156,26 @@ def parser(lab):
     flag(ap, "fresh", action="store_true",
          help="delete this configuration's checkpoints and finished rows first, and train everything again")
     flag(ap, "dev", action="store_true", help="evaluate on the dev set instead of the held-out set: for trying things out")
-    preset_flags(ap, lab.presets)
+    group = ap.add_argument_group("preset overrides (default: the preset's value): the budget, nanoGPT style "
+                                  "(--n_layer=4, --plays=macbeth,hamlet)")
+    for f in fields(presets["default"]):
+        kind, one = type(f.default), type(f.default[0]) if isinstance(f.default, tuple) else None
+        values = ", ".join(f"{k} {flag_form(getattr(p, f.name))}" for k, p in presets.items())
+        what = f.metadata.get("help")
+        flag(group, f.name, type=(lambda v, one=one: tuple(one(x) for x in v.split(",") if x)) if one else kind,
+             default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+             help=f"{what}; preset {values}" if what else f"preset {values}")
     return ap
-
-
-@dataclass(frozen=True)
-class Options:
-    """The command line, checked, and what follows from it: made once by parse."""
-    lab: Lab
-    P: object  # the preset, with the command line's overrides
-    preset_name: str
-    suites: list  # the names of the suites to run, in the order given
-    seeds: range
-    every_arm: bool  # --suite all, --smoke, --rehearse: every suite's extra arms too
-    jobs: int
-    out: str
-    data: Optional[str]
-    device: str
-    threads: int
-    accum: int
-    muon: bool
-    compile: bool
-    rehearse: bool
-    log_every: int
-    ckpt_every: int
-    fresh: bool
-    dev: bool
-    eval_split: str
-    eval_seed: int
-    tidy: bool = False  # --smoke: its checkpoints are removed once its report is written
-
-
-def parse(argv, lab):
-    """The command line, checked whole before anything trains: one line per problem."""
-    ap = parser(lab)
-    a = ap.parse_args(argv)
-    names = {"headline": lab.names() if a.smoke else list(lab.headline), "all": lab.names()}.get(
-        a.suite, a.suite.split(","))  # --smoke: every code path
-    if problem := check_args(a, names, lab):
-        ap.error(problem)
-    preset_name, out = "smoke" if a.smoke else a.preset or "default", a.out
-    P = lab.presets[preset_name]
-    if a.rehearse:  # the large shapes, every arm, 2 steps each, one seed, one evaluation batch
-        preset_name, names, out = "large (rehearsal)", lab.names(), a.out if a.out != "out" else "out-rehearsal"
-        P = replace(lab.presets["large"], iters=2, hd_base_iters=2, hd_cont_iters=2, tah_base_iters=2, tah_sft_iters=2,
-                    decider_iters=2, warmup=1, tah_eval_batches=1, seeds=1)
-    P = replace(P, **{f.name: getattr(a, f.name) for f in fields(P) if hasattr(a, f.name)})
-    if problem := lab.check(P, a.device) or check_batches(P, names, a.accum, lab):
-        ap.error(problem)
-    jobs = a.jobs or (1 if DDP else max(1, usable_cores() // a.threads))  # on one GPU too: the processes share it
-    return Options(lab, P, preset_name, names, range(a.seed0, a.seed0 + P.seeds),
-                   a.suite == "all" or a.smoke or a.rehearse, jobs, out, a.data, a.device, a.threads, a.accum, a.muon,
-                   a.compile,
-                   a.rehearse, a.log_every, a.ckpt_every, a.fresh, a.dev,
-                   *(("dev", 104729) if a.dev else ("val", 7919)), tidy=a.smoke)
 
 
 def usable_cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def text_suites(names, lab):
-    return [s for s in names if lab.suite(s).task is None]
-
-
-def check_args(a, names, lab):
+def check_flags(a, names, suites, text_suites):
     """The flags apart from the preset's: the first problem, as one line, or None."""
-    bad = [s for s in names if s not in lab.names()]
-    if bad:
-        return f"unknown suite(s) {bad}; choose headline, all, or from {sorted(lab.names())}"
+    if bad := [s for s in names if s not in suites]:
+        return f"unknown suite(s) {bad}; choose headline, all, or from {sorted(suites)}"
     if len(set(names)) != len(names):
         return f"--suite {a.suite} names a suite twice"
     if a.smoke and a.preset:
@@ -228,24 +184,19 @@ def check_args(a, names, lab):
         return "--rehearse runs every suite of the large preset; give it without --smoke, --preset or --suite"
     if not a.out.strip() or not is_utf8(a.out) or (a.data and not is_utf8(a.data)):
         return "--out must name a folder, and --out and --data must be UTF-8 paths"
-    if a.data and not text_suites(names, lab):
-        return f"--data feeds the suites that train on text ({', '.join(text_suites(lab.names(), lab))}); this run has none"
-    return check_process_flags(a) or check_device(a.device)
-
-
-def check_process_flags(a):
+    if a.data and not set(names) & set(text_suites):
+        return f"--data feeds the suites that train on text ({', '.join(text_suites)}); this run has none"
     for k in ("accum", "log_every", "ckpt_every", "threads", "jobs"):
         if getattr(a, k) is not None and getattr(a, k) < 1:
             return f"--{k} must be >= 1, got {getattr(a, k)}"
     if DDP and (a.jobs or 1) > 1:
         return "--jobs trains in processes of its own; under torchrun give --jobs 1 (each rank is one process)"
-    if a.seed0 < 0:
-        return f"--seed0 must be >= 0, got {a.seed0}"
-    if a.seed0 > MAX_SEED0:  # trainer.batch_gen: seed * 1_000_003 + 2 * step + 1 must fit a 64-bit seed
-        return f"--seed0 must be at most {MAX_SEED0:,} (the batch seeds derived from it must fit in 63 bits), got {a.seed0}"
+    if not 0 <= a.seed0 <= MAX_SEED0:  # trainer.batch_gen: seed * 1_000_003 + 2 * step + 1 must fit a 64-bit seed
+        return (f"--seed0 must be >= 0 and at most {MAX_SEED0:,} (the batch seeds derived from it must fit in 63 "
+                f"bits), got {a.seed0}")
     if a.data and not Path(a.data).is_file():
         return f"--data {a.data}: no such file" + (" (it is a folder)" if Path(a.data).is_dir() else "")
-    return None
+    return check_device(a.device)
 
 
 def check_device(device):
@@ -262,114 +213,14 @@ def is_utf8(path):
     return not any(0xDC80 <= ord(c) <= 0xDCFF for c in path)  # a byte that is not UTF-8 arrives as a surrogate escape
 
 
-def check_batches(P, names, accum, lab):
-    """Every suite's global batch has a row for each rank's each micro-step: checked before the first
-    step (an uneven cut is fine: trainer.MicroSteps weights each piece by its rows)."""
-    for batch_field in dict.fromkeys(lab.suite(s).batch for s in names):
-        batch = getattr(P, batch_field)
-        if batch < WORLD * accum:
-            return f"--{batch_field} {batch} has fewer rows than {WORLD} rank(s) x {accum} micro-step(s) (--accum)"
-    return None
+# Every process of a run: a compiled function (CUDA's flex, --compile's models) that meets dynamo's
+# recompile limit stops the run, instead of falling back with a warning to eager (for flex: the unfused
+# kernel). The limit allows a graph per arm configuration (--suite all: TaH's passes take 28).
+DYNAMO = dict(fail_on_recompile_limit_hit=True, recompile_limit=64)
 
-
-# -----------------------------------------------------------------------------
-# Main: run what is not done yet, then report
-
-
-def main(argv, lab):
-    try:  # the file system's errors (a path that is a folder, no permission, a full disk): one line each
-        opts = parse(argv, lab)
-        if DDP:
-            opts = replace(opts, device=start_ddp(opts.device))  # trainer.py: the process group, or one line why not
-        with torch._dynamo.config.patch(**DYNAMO):
-            run(opts, argv)
-    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (--jobs processes are stopped on the way out)
-        if MASTER:  # under torchrun every rank gets it
-            print("interrupted: what finished is saved (rows after each (suite, seed), checkpoints every "
-                  "--ckpt_every steps); run the same command to go on", file=sys.stderr)
-        raise SystemExit(130)
-    except OSError as e:
-        where = e.filename or "a file of this run"
-        raise SystemExit(f"error: {e.strerror or e} ({where}); nothing of the step that met it is saved")
-    if DDP:
-        dist.destroy_process_group()
-
-
-def run(opts, argv):
-    """Train every (suite, seed) not done yet, saving the rows after each, then report."""
-    P, out, lab = opts.P, Path(opts.out), opts.lab
-    out.mkdir(parents=True, exist_ok=True)
-    for tmp in out.glob("*.tmp"):  # results or a token cache of a run killed mid-write
-        tmp.unlink(missing_ok=True)
-    for stale in result_files(lab):  # a run that stops early must not leave another run's results beside it
-        (out / stale).unlink(missing_ok=True)
-    set_up_torch(opts.threads)
-    text = load_text(opts.data, P.plays, P.block, out) if text_suites(opts.suites, lab) else None
-    if opts.tidy:
-        log("--smoke checks the plumbing: every suite's code path on tiny models, one seed, which decides nothing "
-            "(the report is in results.md)")
-    log(f"preset {opts.preset_name}: {P}")
-    log(f"{opts.device}, compile {'on' if opts.compile else 'off'}; {lab.describe(P, opts.device)}")
-    if text is not None:
-        log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}")
-    ctx = open_run(opts, text, out)
-    rows = load_rows(ctx.run_dir / "rows.json", ctx.run_key)
-    done = {(r["suite"], r["seed"]) for r in rows}
-    t0 = time.time()
-    todo = [(suite, seed) for suite in opts.suites for seed in opts.seeds if (suite, seed) not in done]
-    data = {s: text if lab.suite(s).task is None else lab.suite(s).task(P) for s in opts.suites}
-    stages, rates = planned(opts, ctx, data, todo)
-    for suite, seed in [(suite, seed) for suite in opts.suites for seed in opts.seeds if (suite, seed) in done]:
-        log(f"{suite} seed {seed}: already done, skipped")
-    if opts.jobs > 1 and len(todo) > 1:
-        rows = train_in_processes(opts, ctx, todo, data, stages, rates, rows)
-    else:
-        PROGRESS.start([stage for suite, _ in todo for stage in stages[suite]], rates)
-        for suite, seed in todo:
-            rows = in_order(rows + run_suite(lab.suite(suite), P, ctx, seed, data[suite]), lab)
-            if MASTER:
-                save_rows(ctx.run_dir / "rows.json", rows, ctx.run_key)
-    if MASTER:
-        report(rows, opts, ctx, out, argv, time.time() - t0)
-        if opts.tidy and (ctx.run_dir / "ckpt").is_dir():
-            shutil.rmtree(ctx.run_dir / "ckpt")
-            log(f"--smoke: its checkpoints are removed ({ctx.run_dir / 'ckpt'}); its rows stay in rows.json")
-
-
-def run_suite(suite, P, run, seed, data):
-    """One (suite, seed): its protocol, then (on runs of every arm) its extra arms; rows tagged
-    with the suite."""
-    rows, trained = suite.protocol(P, run, seed, data)
-    if run.every_arm and suite.extra is not None:
-        rows += suite.extra(P, run, seed, data, trained)
-    return [{**r, "suite": suite.name} for r in rows]
-
-
-def planned(opts, run, data, todo):
-    """What each suite to do trains: its stages in order as (arm, steps), and each arm's seconds
-    per step, both read off a probe that runs each suite's protocol once (on the first seed to
-    do) with every stage cut to a few steps and every evaluation to one batch (a Run whose
-    `probe` collects them). The stages and their step counts are the protocol's own; nothing
-    here restates them."""
-    stages, rates = {}, {}
-    for suite, seed in todo:
-        if suite not in stages:
-            probe = replace(run, probe=[])
-            run_suite(opts.lab.suite(suite), opts.P, probe, seed, data[suite])
-            stages[suite] = [(arm, steps) for arm, steps, _ in probe.probe]
-            rates.update({arm: sec for arm, _, sec in probe.probe if sec is not None})
-    return stages, rates
-
-
-def in_order(rows, lab):
-    """Rows by suite (the Lab's order), then seed: the report's sums over seeds, and so its last
-    digits, depend neither on --jobs nor on a resume."""
-    suites = lab.names()
-    return sorted(rows, key=lambda r: (suites.index(r["suite"]), r["seed"]))
-
-
-# -----------------------------------------------------------------------------
-# Every process's torch settings
+HERE = Path(__file__).resolve().parent
+SOURCES = ("moe.py", "hd.py", "tah.py", "checks.py", "tasks.py", "trainer.py", "report.py", "inside.py",
+           "headline.py", "ablations.py", "runner.py", "train_tiny.py")  # all that can change a result
 
 
 def set_up_torch(threads):
@@ -377,110 +228,264 @@ def set_up_torch(threads):
     torch.set_num_threads(threads)
 
 
-# Every process of a run: a compiled function (CUDA's flex, --compile's models) that meets dynamo's
-# recompile limit stops the run, instead of falling back with a warning to eager (for flex: the unfused
-# kernel). The limit allows a graph per arm configuration (--suite all: TaH's passes take 28).
-DYNAMO = dict(fail_on_recompile_limit_hit=True, recompile_limit=64)
+# -----------------------------------------------------------------------------
+# The session
+
+
+class Session:
+    """One invocation of train_tiny.py. Made from the command line (checked whole: one line per
+    problem, before anything is written): P (the preset with its overrides), suites, seeds and
+    the other flags as attributes. Entered, it opens the run (`run`, the trainer's context) and
+    its finished rows; Session.train trains each (suite, seed); leaving waits for the --jobs
+    processes (`rows` then holds every row) and turns Ctrl-C and file-system errors into one line.
+
+    presets: name -> Preset ("default", "large", "smoke"); suites: every suite's name in the
+    report's order; headline: those a plain run trains; text_suites: those that read the text;
+    check(P, device, suites, rows): the first problem of a preset for these suites, each global
+    batch cut into `rows` pieces (ranks x micro-steps), as one line (or None)."""
+
+    def __init__(self, argv, doc, presets, suites, headline, text_suites, check):
+        ap = parser(doc, presets, suites, headline)
+        a = ap.parse_args(argv)
+        names = {"headline": list(suites) if a.smoke else list(headline), "all": list(suites)}.get(
+            a.suite, a.suite.split(","))  # --smoke: every code path
+        if problem := check_flags(a, names, suites, text_suites):
+            ap.error(problem)
+        self.preset_name, out = "smoke" if a.smoke else a.preset or "default", a.out
+        P = presets[self.preset_name]
+        if a.rehearse:  # the large shapes, every arm, 2 steps each, one seed, one evaluation batch
+            self.preset_name, names, out = "large (rehearsal)", list(suites), a.out if a.out != "out" else "out-rehearsal"
+            P = replace(presets["large"], iters=2, hd_base_iters=2, hd_cont_iters=2, tah_base_iters=2, tah_sft_iters=2,
+                        decider_iters=2, warmup=1, tah_eval_batches=1, seeds=1)
+        self.P = replace(P, **{f.name: getattr(a, f.name) for f in fields(P) if hasattr(a, f.name)})
+        if problem := check(self.P, a.device, names, WORLD * a.accum):
+            ap.error(problem)
+        self.suites, self.seeds, self.out, self.data, self.device = names, range(a.seed0, a.seed0 + self.P.seeds), \
+            Path(out), a.data, a.device
+        self.every_arm, self.smoke, self.fresh = a.suite == "all" or a.smoke or a.rehearse, a.smoke, a.fresh
+        self.jobs = a.jobs or (1 if DDP else max(1, usable_cores() // a.threads))  # one GPU too: processes share it
+        self.threads, self.order = a.threads, list(suites)
+        self.run = Run(Path(), None, a.device, self.seeds, *(("dev", 104729) if a.dev else ("val", 7919)),
+                       self.every_arm, a.muon, a.accum, a.compile, a.rehearse, a.log_every, a.ckpt_every)
+        launch = f"torchrun --nproc_per_node={WORLD} train_tiny.py" if DDP else "python train_tiny.py"
+        self.command = " ".join([launch] + (sys.argv[1:] if argv is None else argv))
+        self.machine = (torch.cuda.get_device_name() if a.device.startswith("cuda") else
+                        f"CPU ({os.cpu_count()} cores; --jobs {self.jobs}, --threads {self.threads})") + \
+            (f", world size {WORLD}" if DDP else "")
+        self.rows, self.running, self.took, self.stack = [], {}, {}, contextlib.ExitStack()
+
+    def __enter__(self):
+        try:
+            self.open()
+        except BaseException as e:
+            self.__exit__(type(e), e, None)
+            raise
+        return self
+
+    def open(self):
+        """The process group, the out folder swept of a killed run's temporaries, the run's folder
+        and its finished rows."""
+        if DDP:
+            self.device = start_ddp(self.device)
+            self.run = replace(self.run, device=self.device)
+        self.stack.enter_context(torch._dynamo.config.patch(**DYNAMO))
+        self.out.mkdir(parents=True, exist_ok=True)
+        for tmp in self.out.glob("*.tmp"):  # results or a token cache of a run killed mid-write
+            tmp.unlink(missing_ok=True)
+        set_up_torch(self.threads)
+        code = [hashlib.sha256((HERE / f).read_bytes()).hexdigest() for f in SOURCES]
+        data = hashlib.sha256(Path(self.data).read_bytes()).hexdigest() if self.data else None
+        r = self.run
+        key = hashlib.sha256(json.dumps([asdict(self.P), r.muon, r.accum, r.device, self.threads, r.eval_split, data,
+                                         code, r.every_arm, r.compile, r.rehearse, r.seeds.start, WORLD]).encode())
+        run_dir = self.out / f"run-{key.hexdigest()[:10]}"
+        if self.fresh and MASTER and run_dir.exists():
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(exist_ok=True)
+        for tmp in run_dir.rglob("*.tmp"):  # left by a run killed mid-write
+            tmp.unlink(missing_ok=True)
+        self.run = replace(r, run_dir=run_dir, run_key=key.hexdigest()[:10])
+        self.rows = load_rows(run_dir / "rows.json", self.run.run_key)
+        done = {(r["suite"], r["seed"]) for r in self.rows}
+        self.todo = [(s, k) for s in self.suites for k in self.seeds if (s, k) not in done]
+        self.waiting = list(self.todo)  # not started yet
+        self.parallel = self.jobs > 1 and len(self.todo) > 1
+        self.t0 = time.time()
+        if self.parallel:
+            log(f"{len(self.todo)} (suite, seed)s in {self.jobs} processes at a time, {self.threads} thread(s) each")
+            self.results = multiprocessing.get_context("spawn").Queue()
+
+    def train(self, work, suite, seed, data):
+        """One (suite, seed): its rows = work(suite, P, run, seed, data) (a module-level function:
+        a --jobs process imports it), in this process or, with --jobs, in a fresh process once
+        fewer than --jobs are running; its rows saved as it finishes. Done already: skipped. The
+        call that starts the last (suite, seed) to do returns once every process has finished."""
+        if (suite, seed) not in self.todo:
+            return log(f"{suite} seed {seed}: already done, skipped")
+        self.waiting.remove((suite, seed))
+        if not self.parallel:
+            self.running[suite, seed] = (time.time(), None)
+            return self.finished(suite, seed, work(suite, self.P, self.run, seed, data))
+        while len(self.running) >= self.jobs:
+            self.collect()
+        job = (work, suite, self.P, self.run, seed, data, self.threads)
+        process = multiprocessing.get_context("spawn").Process(target=in_process, args=(self.results, job), daemon=True)
+        self.running[suite, seed] = (time.time(), process)
+        with ctrl_c_deferred():  # Ctrl-C stops the parent (never lost), which stops the processes
+            process.start()
+        while not self.waiting and self.running:  # the last one to do: wait for every process
+            self.collect()
+
+    def collect(self):
+        """The next (suite, seed) a --jobs process finished (waits at most a second). A process's
+        SystemExit line, or a process that died without a result, stops the run."""
+        try:
+            suite, seed, rows = self.results.get(timeout=1.0)
+        except queue.Empty:  # a process that ended without a result died (killed, out of memory, a bug)
+            for (suite, seed), (_, p) in self.running.items():
+                if p.exitcode not in (None, 0):
+                    raise SystemExit(f"error: the process training {suite} seed {seed} died (exit code "
+                                     f"{p.exitcode}: killed, out of memory, or the error printed above); the "
+                                     f"finished (suite, seed)s are saved: run the same command to go on")
+            return
+        self.running[suite, seed][1].join()
+        if isinstance(rows, str):  # the process's SystemExit: its one line, as in one process
+            raise SystemExit(rows)
+        self.finished(suite, seed, rows)
+
+    def finished(self, suite, seed, rows):
+        self.took.setdefault(suite, []).append(time.time() - self.running.pop((suite, seed))[0])
+        self.todo.remove((suite, seed))
+        self.rows = sorted(self.rows + [{**r, "suite": suite} for r in rows],  # the report's sums do not depend
+                           key=lambda r: (self.order.index(r["suite"]), r["seed"]))  # on --jobs or a resume
+        if MASTER:
+            save_rows(self.run.run_dir / "rows.json", self.rows, self.run.run_key)
+        done = sum(map(len, self.took.values()))
+        left = time_left(self.todo, self.took, {k: t for k, (t, _) in self.running.items()},
+                         self.jobs if self.parallel else 1, time.time())
+        log(f"{suite} seed {seed} finished ({done} of {done + len(self.todo)}) | elapsed "
+            f"{(time.time() - self.t0) / 60:.1f} min | run ~{left / 60:.1f} min left")
+
+    def __exit__(self, kind, e, tb):
+        first = e
+        try:
+            while e is None and self.running:  # the last --jobs processes
+                self.collect()
+        except BaseException as late:
+            e = late
+        for _, process in self.running.values():  # an error, or Ctrl-C: stop the others now
+            if process is not None and process.is_alive():
+                process.terminate()
+        self.stack.close()
+        if e is None and DDP and dist.is_initialized():
+            dist.destroy_process_group()
+        if isinstance(e, KeyboardInterrupt):  # Ctrl-C: one line, not a traceback (under torchrun every rank gets it)
+            if MASTER:
+                print("interrupted: what finished is saved (rows after each (suite, seed), checkpoints every "
+                      "--ckpt_every steps); run the same command to go on", file=sys.stderr)
+            raise SystemExit(130) from None
+        if isinstance(e, OSError):  # the file system's: a path that is a folder, no permission, a full disk
+            raise SystemExit(f"error: {e.strerror or e} ({e.filename or 'a file of this run'}); nothing of the step "
+                             f"that met it is saved") from None
+        if e is not first:
+            raise e
+        return False
+
+
+def time_left(todo, took, running, jobs, now):
+    """The run's seconds left, from the pace of what has finished (said only once something has:
+    Session.finished): a (suite, seed) takes its suite's mean time so far (a suite none of whose
+    has finished: the mean of every finished one); the running ones finish, then the waiting
+    ones go, in order, to the first of `jobs` processes free."""
+    every = [t for ts in took.values() for t in ts]
+    guess = {s: sum(ts) / len(ts) for s, ts in took.items()}
+    mean = sum(every) / len(every)
+    free = sorted([max(0.0, guess.get(s, mean) - (now - t)) for (s, _), t in running.items()] + [0.0] * jobs)[-jobs:]
+    for s, k in todo:
+        if (s, k) not in running:
+            free = sorted([free[0] + guess.get(s, mean)] + free[1:])
+    return free[-1]
 
 
 # -----------------------------------------------------------------------------
 # --jobs: each (suite, seed) in a process of its own
 
 
-class Job(NamedTuple):
-    """What a --jobs process trains: one (suite, seed), with the plan its progress line counts
-    down and `run_plan` (the parent's clock, prediction and scale: trainer.Progress)."""
-    suite: Suite
-    seed: int
-    P: object
-    run: Run
-    data: object
-    stages: list
-    rates: dict
-    run_plan: tuple
-    threads: int
+def in_process(results, job):
+    """A --jobs process: ignore Ctrl-C (the parent answers it), train one (suite, seed) and put
+    (suite, seed, rows), or the line of the SystemExit that stopped it, on the parent's queue. It
+    ends itself if the parent goes (killed, or stopped by a signal), rather than train on unseen."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    parent = os.getppid()
 
-
-def train_in_processes(opts, ctx, todo, data, stages, rates, rows, work=None):
-    """--jobs > 1: each (suite, seed) to do in a fresh process of opts.threads threads, opts.jobs
-    at a time (processes.run_in_processes; `work`, train_one unless a test says otherwise, runs
-    one), its rows saved as it finishes: the same rows as one process's with the same --threads
-    (each suite seeds its own generators). What finished is kept."""
-    seconds = {suite: sum(steps * rates.get(arm, 0.0) for arm, steps in stages[suite]) for suite in stages}
-    done = [rows]
-
-    def save(suite, seed, found):
-        done[0] = in_order(done[0] + found, opts.lab)
-        save_rows(ctx.run_dir / "rows.json", done[0], ctx.run_key)
-
-    def job(suite, seed, plan):
-        return Job(opts.lab.suite(suite), seed, opts.P, ctx, data[suite], stages[suite], rates, plan, opts.threads)
-    run_in_processes(todo, seconds, opts.jobs, opts.threads, job, work or train_one, save)
-    return done[0]
-
-
-def train_one(job):
-    """One (suite, seed) in a process of its own: (suite, seed, its rows), or the line of the
-    SystemExit that stopped it."""
-    set_up_torch(job.threads)
-    PROGRESS.start(job.stages, job.rates, job.run_plan)
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        signal.raise_signal(signal.SIGKILL)
+    threading.Thread(target=watch, daemon=True).start()
+    work, suite, P, run, seed, data, threads = job
+    set_up_torch(threads)
     try:
         with torch._dynamo.config.patch(**DYNAMO):
-            return job.suite.name, job.seed, run_suite(job.suite, job.P, job.run, job.seed, job.data)
+            rows = work(suite, P, run, seed, data)
     except SystemExit as e:
-        return job.suite.name, job.seed, str(e.code)
+        rows = str(e.code)
+    results.put((suite, seed, rows))
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred():
+    """While a --jobs process starts (seconds: spawn pickles its job), a Ctrl-C is held and acted
+    on once the start returns: never lost, never mid-start. SIGINT is also blocked in this
+    thread, so the process, which inherits the mask through fork and exec, holds a Ctrl-C of its
+    start-up pending until in_process ignores SIGINT (which drops it) and unblocks it. Ctrl-C,
+    sent to every process of the run, so prints one line, the parent's, and the parent stops the
+    rest."""
+    held = []
+    before = signal.signal(signal.SIGINT, lambda sig, frame: held.append(sig))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, before)
+    if held and callable(before):  # Python's handler raises KeyboardInterrupt; an ignored SIGINT stays ignored
+        before(signal.SIGINT, None)
 
 
 # -----------------------------------------------------------------------------
-# The run's folder and key
+# The finished rows of a run (resume: a (suite, seed) whose rows are saved is not trained again)
 
 
-HERE = Path(__file__).resolve().parent
-SOURCES = ("moe.py", "hd.py", "tah.py", "checks.py", "tasks.py", "trainer.py", "report.py", "inside.py",
-           "processes.py", "headline.py", "ablations.py", "runner.py", "train_tiny.py")  # all that can change a result
+ROW_KEYS = {"suite", "effect", "effect_id", "paper", "arm", "arm_id", "metric", "seed", "value"}
 
 
-def open_run(opts, text, out):
-    """The folder of this exact configuration (preset, flags, data, code, world size), where
-    checkpoints and finished rows live, each carrying the configuration's key; returns the
-    run's context (trainer.Run), made here once."""
-    code = [hashlib.sha256((HERE / f).read_bytes()).hexdigest() for f in SOURCES]
-    data_key = hashlib.sha256(text.tokens.tobytes()).hexdigest() if text is not None else None
-    key = hashlib.sha256(json.dumps([asdict(opts.P), opts.muon, opts.accum, opts.device, opts.threads, opts.dev,
-                                     data_key, code, opts.every_arm, opts.compile, opts.rehearse, opts.seeds.start,
-                                     WORLD]).encode()).hexdigest()[:10]
-    run_dir = out / f"run-{key}"
-    if opts.fresh and MASTER and run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(exist_ok=True)
-    for tmp in run_dir.rglob("*.tmp"):  # left by a run killed mid-write
-        tmp.unlink(missing_ok=True)
-    return Run(run_dir, key, opts.device, opts.seeds, opts.eval_split, opts.eval_seed, opts.every_arm, opts.muon,
-               opts.accum, opts.compile, opts.rehearse, opts.log_every, opts.ckpt_every)
+def rows_digest(rows):
+    return hashlib.sha256(json.dumps(rows, indent=1).encode()).hexdigest()
 
 
-# -----------------------------------------------------------------------------
-# The report
+def save_rows(path, rows, key):
+    """The finished rows, with the run's key and the sha256 load_rows checks."""
+    doc = {"run": key, "sha256": rows_digest(rows), "rows": rows}
+    atomic(path, lambda f: f.write(json.dumps(doc, indent=1).encode()))
 
 
-def result_files(lab):
-    """What a run writes in <out>: the results, the loss curves, and every suite's plots."""
-    return ("results.md", "results.json", "loss_curves.png", *{f: 0 for s in lab.suites for f in s.outputs})
-
-
-def claims(lab):
-    return [c for s in lab.suites for c in s.claims]
-
-
-def report(rows, opts, run, out, argv, seconds):
-    """results.md / results.json (and plots with matplotlib) from the rows alone (report.py)."""
-    dev = torch.cuda.get_device_name() if opts.device.startswith("cuda") else \
-        f"CPU ({os.cpu_count()} cores; --jobs {opts.jobs}, --threads {opts.threads})"
-    launch = f"torchrun --nproc_per_node={WORLD} train_tiny.py" if DDP else "python train_tiny.py"
-    command = " ".join([launch] + (sys.argv[1:] if argv is None else argv))
-    dev += f", world size {WORLD}" if DDP else ""
-    header = (f"Measured by `{command}` on {dev}, {opts.P.seeds} seed(s), evaluated on the "
-              f"{'dev' if opts.dev else 'held-out'} set; {seconds:.0f} s for this invocation.")
-    write_report(rows, opts.lab.suites, [opts.lab.suite(s) for s in opts.suites], header, run, out,
-                 {"preset": asdict(opts.P), "run": run.run_dir.name, "data": opts.data, "device": dev, "world_size": WORLD,
-                  "eval_set": opts.eval_split}, brief=opts.tidy)
+def load_rows(path, key):
+    """The rows of the finished (suite, seed)s of run `key`, or one line naming the file if it
+    was changed or belongs to another run."""
+    if not path.exists():
+        return []
+    try:
+        doc = json.loads(path.read_text())
+        rows = doc["rows"]
+        ok = doc["sha256"] == rows_digest(rows) and all(isinstance(r, dict) and r.keys() == ROW_KEYS for r in rows)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise SystemExit(f"error: {path} is damaged (unreadable, or its checksum does not match); delete it "
+                         f"(the checkpoints beside it are reused), or run with --fresh")
+    if doc.get("run") != key:
+        raise SystemExit(f"error: {path} holds the rows of run {doc.get('run')}, not of this run ({key}); delete "
+                         f"it, or run with --fresh")
+    return rows

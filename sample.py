@@ -1,7 +1,7 @@
 """
 Sample from what the main job trained (nanoGPT's sample.py, for both papers):
 
-- text from the HD n = 4 model continued on Shakespeare, decoded with its KV caches
+- text from the largest HD model (n = 4) continued on Shakespeare, decoded with its KV caches
   (generate.generate: each new token enters as its 4 stream rows);
 - one held-out lookup problem answered by the TaH model under its decider, each token's
   passes shown: a query the decider sent on to a second pass is marked *.
@@ -41,8 +41,9 @@ def hd_text(P, data, run_dir, out, seed, tokens, temperature, top_k):
     context cropped to the model's block (nanoGPT's generate crops it the same way), half a block
     at a time."""
     text = tasks.load_text(data, tuple(P.plays), P.block, out)
-    cfg = HDConfig(**headline.backbone_cfg(P, text.vocab_size, layout=P.layout, window=P.window, n_streams=4))
-    model = load(HiddenDecoding, cfg, run_dir / "ckpt" / f"hd_n_4_continued_s{seed}.pt")
+    n = max(P.hd_ns)
+    cfg = HDConfig(**headline.backbone_cfg(P, text.vocab_size, layout=P.layout, window=P.window, n_streams=n))
+    model = load(HiddenDecoding, cfg, run_dir / "ckpt" / f"hd_n_{n}_continued_s{seed}.pt")
     ids, g = text.split["val"][None, :16], torch.Generator().manual_seed(seed)
     prompt = len(ids[0])
     while ids.size(1) < prompt + tokens:
@@ -91,7 +92,7 @@ def main(argv=None):
                          f"train_tiny.py --out {out} first")
     torch.manual_seed(a.seed)
     prompt, text = hd_text(P, results.get("data"), run_dir, out, a.seed, a.tokens, a.temperature, a.top_k)
-    print(f"HD n = 4 ({run_dir.name}, seed {a.seed}): {a.tokens} tokens after a held-out prompt of 16 (up to |):"
+    print(f"HD n = {max(P.hd_ns)} ({run_dir.name}, seed {a.seed}): {a.tokens} tokens after a held-out prompt of 16 (up to |):"
           f"\n\n{prompt}|{text}\n")
     pairs, lines = tah_problem(P, run_dir, a.seed)
     print(f"TaH under its decider, a new lookup problem: the pairs {pairs}, then each query's answer "

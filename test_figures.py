@@ -40,19 +40,19 @@ def has_error_bars(ax):
 def test_hd_streams_panel_c_plots_the_top1_disagreement_and_d_the_entropy(drawn):
     figs, out = drawn
     summary, rng = [], np.random.default_rng(0)
-    for n, fx in hl.HD_INSIDE.items():
+    for n, fx in ((n, hl.hd_inside_effects(n)) for n in (2, 4)):
         for arm in (hl.SAME, hl.DIFFERENT):
             summary += [row(fx.cosine.name, arm, m, rng.uniform()) for m in ("input", "block 1", "block 2")]
         summary += [row(fx.mass.name, "block 3 (F)", f"on {stream_name(k, n)}", 1 / n) for k in range(n)]
         for k in range(n):
             summary += [row(fx.head.name, stream_name(k, n), hl.DIFFERS, 0.0 if k == n - 1 else 0.4 + 0.01 * k),
                         row(fx.head.name, stream_name(k, n), hl.BITS, 8.0 + 0.1 * k, 0.2)]
-    assert hl.plot_hd_streams(summary, out, "held-out", out) is not None
+    assert hl.plot_hd_streams(summary, out, (1, 2, 4)) is not None
     (fig,) = figs
     a, b, c, d = fig.axes
     assert "cosine" in a.get_ylabel() and "attention mass" in b.get_ylabel()
     assert "top-1 differs from the final stream" in c.get_ylabel() and "entropy (bits)" in d.get_ylabel()
-    n = max(hl.HD_INSIDE)
+    n = 4
     want = [0.4 + 0.01 * k for k in range(n - 1)]  # the earlier streams; the final stream is 0 by definition
     assert any(np.allclose(line.get_ydata(), want) for line in c.get_lines())
     assert all(float(t).is_integer() for t in c.get_xticks()) and c.get_ylim() == (0, 1)
@@ -68,7 +68,7 @@ def test_the_tradeoff_labels_each_threshold_and_zooms_on_them(drawn):
     for t, it in ((0.5, 0.07), (0.9, 0.06)):
         summary += [row(effect, f"TaH decider, threshold {t}", "iterated", it), row(effect, f"TaH decider, threshold {t}",
                                                                                   "acc", 0.95)]
-    assert hl.plot_tah_tradeoff(summary, out, "held-out", out) is not None
+    assert hl.plot_tah_tradeoff(summary, out, "held-out") is not None
     (fig,) = figs
     ax = fig.axes[0]
     inset = ax.child_axes[0]

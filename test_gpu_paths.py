@@ -208,9 +208,8 @@ def test_compiled_training_is_one_graph_per_arm_configuration_and_none_for_a_lat
 
     def train(name, model, *a, **kw):
         out = real_train(name, model, *a, **kw)
-        loss_fn, data, P, run, seed = a[:5]
-        if run.probe is None:  # not the planning probe
-            seen[seed] = whole.frame_count + passes.frame_count  # graphs after each seed's stages
+        loss_fn, data, stage, run, seed = a[:5]
+        seen[seed] = whole.frame_count + passes.frame_count  # graphs after each seed's stages
         return out
     for module in (headline, ablations):
         monkeypatch.setattr(module, "train", train)

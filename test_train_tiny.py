@@ -20,7 +20,6 @@ from hypothesis import given, settings, strategies as st
 
 import ablations
 import headline as hl
-import processes
 import report
 import runner
 import tasks
@@ -29,6 +28,11 @@ import trainer
 from moe import ModelConfig, Transformer
 
 HERE = Path(__file__).parent
+
+
+def session(argv):
+    """train_tiny's Session (the command line parsed and checked; nothing opened until entered)."""
+    return runner.Session(argv, tt.__doc__, tt.PRESETS, tt.SUITES, tt.HEADLINE, tt.TEXT, tt.check_preset)
 
 
 # -----------------------------------------------------------------------------
@@ -283,7 +287,7 @@ def test_an_uneven_cut_of_the_batch_gives_the_whole_batchs_loss_and_gradients(ac
     """8 rows in 3 (or 5, or 8) micro-steps: the pieces' losses, each weighted by its rows, sum to
     the whole batch's mean loss in one forward, and so do the gradients (what 3, 5, 6 or 7 ranks
     of torchrun do with --batch 8)."""
-    P = tt.Preset(block=16, batch=8)
+    P = trainer.Stage(steps=1, lr=1e-3, warmup=1, batch=8, block=16)
     x, y = tasks.Arith(2).batch("train", 8, 16, torch.Generator().manual_seed(0))
     grads = []
     for a in (1, accum):
@@ -300,13 +304,13 @@ def test_an_uneven_cut_of_the_batch_gives_the_whole_batchs_loss_and_gradients(ac
 def test_the_smoke_preset_has_a_row_for_every_rank_of_up_to_8(world, monkeypatch):
     """torchrun --nproc_per_node=8 train_tiny.py --smoke is taken: every suite's batch has a row per rank."""
     monkeypatch.setattr(runner, "WORLD", world)
-    assert runner.check_batches(tt.PRESETS["smoke"], tt.LAB.names(), 1, tt.LAB) is None
+    assert tt.check_preset(tt.PRESETS["smoke"], "cpu", tt.SUITES, world) is None
     monkeypatch.setattr(runner, "WORLD", 9)
-    assert "has fewer rows than 9 rank(s)" in runner.check_batches(tt.PRESETS["smoke"], tt.LAB.names(), 1, tt.LAB)
+    assert "has fewer rows than 9 rank(s)" in tt.check_preset(tt.PRESETS["smoke"], "cpu", tt.SUITES, 9)
 
 
 def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path):
-    P = tt.Preset(block=16, batch=4, iters=6, warmup=2, lr=3e-3)
+    P = trainer.Stage(steps=6, lr=3e-3, warmup=2, batch=4, block=16)
     data = tasks.Arith(2)
     args = lambda d: trainer.Run(d, accum=2, log_every=100, ckpt_every=1)
     straight = trainer.train("arm", small(), hl.lm_loss, data, P, args(tmp_path / "a"), seed=3)
@@ -356,8 +360,8 @@ def test_ddp_over_three_ranks_has_its_own_run_and_equals_one_process(suite, tmp_
 
 
 def test_jobs_train_the_same_rows_as_one_process_in_any_order(tmp_path):
-    """--jobs 2 spreads the (suite, seed)s over two processes (longest first, so not in the
-    one-process order): every row, and the report under its header, equals a one-process run's,
+    """--jobs 2 spreads the (suite, seed)s over two processes (which finish in another order
+    than one process's): every row, and the report under its header, equals a one-process run's,
     and both runs share one key (the numbers do not depend on --jobs). A resumed run that
     finishes the seeds in another order writes the same report too."""
     argv = ["--preset", "smoke", "--suite", "hd,tah", "--seeds", "2"]  # the headline arms
@@ -371,52 +375,61 @@ def test_jobs_train_the_same_rows_as_one_process_in_any_order(tmp_path):
     md = [(tmp_path / d / "results.md").read_text().split("\n", 1)[1] for d in ("one", "two")]
     assert md[0] == md[1]
     doc = json.loads((one / "rows.json").read_text())  # keep only hd seed 1: the rest finishes after it
-    trainer.save_rows(one / "rows.json", [r for r in doc["rows"] if (r["suite"], r["seed"]) == ("hd", 1)], doc["run"])
+    runner.save_rows(one / "rows.json", [r for r in doc["rows"] if (r["suite"], r["seed"]) == ("hd", 1)], doc["run"])
     tt.main(argv + ["--jobs", "1", "--out", str(tmp_path / "one")])
     assert json.loads((one / "rows.json").read_text())["rows"] == rows[1]
     assert (tmp_path / "one" / "results.md").read_text().split("\n", 1)[1] == md[1]
 
 
-def test_a_worker_stopped_by_an_error_hands_its_one_line_to_the_parent(monkeypatch):
+def stops(suite, P, run, seed, data):  # a (suite, seed) stopped by an error, as a NaN loss stops one
+    raise SystemExit(f"error: [moe/arm s{seed}] loss is nan at step 2")
+
+
+def test_a_worker_stopped_by_an_error_hands_its_one_line_to_the_parent():
     """A SystemExit in a --jobs process (a NaN loss, a damaged checkpoint) comes back as its
     line, which the parent raises (next test); any other error ends the process, which the
     parent reports as died."""
-    def stops(P, args, seed, data):
-        raise SystemExit(f"error: [moe/arm s{seed}] loss is nan at step 2")
-    opts = runner.parse(["--smoke", "--suite", "moe"], tt.LAB)
-    threads = torch.get_num_threads()
+    import queue
+    results, threads, handler = queue.Queue(), torch.get_num_threads(), signal.getsignal(signal.SIGINT)
     try:
-        found = runner.train_one(runner.Job(replace(tt.LAB.suite("moe"), protocol=stops), 3, opts.P, trainer.Run(Path(".")),
-                                            None, [], {}, None, 1))
+        runner.in_process(results, (stops, "moe", tt.PRESETS["smoke"], trainer.Run(Path(".")), 3, None, 1))
     finally:
-        torch.set_num_threads(threads)  # train_one sets the process up as a worker's
-    assert found == ("moe", 3, "error: [moe/arm s3] loss is nan at step 2")
+        torch.set_num_threads(threads)  # in_process sets the process up as a worker's
+        signal.signal(signal.SIGINT, handler)
+    assert results.get_nowait() == ("moe", 3, "error: [moe/arm s3] loss is nan at step 2")
 
 
-def dies_or_stops(job):  # what a --jobs process runs in the next test (module level: a spawned process imports it)
-    suite, seed = job.suite.name, job.seed
+def dies_or_stops(suite, P, run, seed, data):  # a --jobs process's work (module level: a spawned process imports it)
     if seed == 1:
-        if job.run.run_dir.name.endswith("dies"):
+        if run.run_dir.parent.name.endswith("dies"):
             os._exit(3)  # as the OOM killer would end it: no exception, no result
-        return suite, seed, "error: [moe/arm s1] loss is nan at step 2"
+        raise SystemExit("error: [moe/arm s1] loss is nan at step 2")
     time.sleep(120)  # seed 0 would run on: the error must stop it
-    return suite, seed, []
+    return []
+
+
+def train_all(argv, work, data=None):
+    """A Session over argv training every (suite, seed) with `work`, as train_tiny.main does."""
+    with session(argv) as run:
+        for suite in run.suites:
+            for seed in run.seeds:
+                run.train(work, suite, seed, data)
+    return run
 
 
 @pytest.mark.parametrize("how, words", [("dies", "seed 1 died (exit code 3"), ("stops", "loss is nan")])
 def test_an_error_in_one_jobs_process_stops_them_all_with_one_line(how, words, tmp_path):
-    opts = runner.parse(["--smoke", "--suite", "moe", "--seeds", "2", "--jobs", "2"], tt.LAB)
     t0 = time.time()
     with pytest.raises(SystemExit, match=re.escape(words)):
-        runner.train_in_processes(opts, trainer.Run(tmp_path / how), [("moe", 0), ("moe", 1)], {"moe": None},
-                                  {"moe": []}, {}, [], work=dies_or_stops)
+        train_all(["--smoke", "--suite", "moe", "--seeds", "2", "--jobs", "2", "--out", str(tmp_path / how)],
+                  dies_or_stops)
     assert time.time() - t0 < 60  # not after seed 0's two minutes
 
 
-def sleeps(job):  # a --jobs process that trains for long (module level, for the spawned process)
-    (job.run.run_dir.parent / f"pid{job.seed}").write_text(str(os.getpid()))
+def sleeps(suite, P, run, seed, data):  # a (suite, seed) that trains for long (module level, for a spawned process)
+    (run.run_dir.parent / f"pid{seed}").write_text(str(os.getpid()))
     time.sleep(120)
-    return job.suite.name, job.seed, []
+    return []
 
 
 def running(pid):
@@ -444,31 +457,21 @@ def all_ended(pids):
     return False
 
 
+def sessions_script(argv, data="None"):
+    return (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_train_tiny as t\n"
+            f"t.train_all({argv!r}, t.sleeps, {data})\n")
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_jobs_processes_end_when_their_parent_is_killed(tmp_path):
     """kill -9 of the parent leaves no process training on unseen (each watches its parent)."""
-    script = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import runner, trainer, train_tiny as tt, "
-              f"test_train_tiny as t; from pathlib import Path\n"
-              f"opts = runner.parse(['--smoke', '--suite', 'moe', '--seeds', '2', '--jobs', '2'], tt.LAB)\n"
-              f"runner.train_in_processes(opts, trainer.Run(Path({str(tmp_path)!r}) / 'run'), [('moe', 0), ('moe', 1)], "
-              f"{{'moe': None}}, {{'moe': []}}, {{}}, [], work=t.sleeps)\n")
-    parent = subprocess.Popen([sys.executable, "-c", script], cwd=HERE)
+    argv = ["--smoke", "--suite", "moe", "--seeds", "2", "--jobs", "2", "--out", str(tmp_path)]
+    parent = subprocess.Popen([sys.executable, "-c", sessions_script(argv)], cwd=HERE)
     pids = pids_written([tmp_path / "pid0", tmp_path / "pid1"])
     assert all(running(p) for p in pids)
     parent.kill()
     parent.wait()
     assert all_ended(pids)
-
-
-def lab_with(name, **changes):
-    """train_tiny's Lab with one suite changed (a test's stand-in for it)."""
-    return replace(tt.LAB, suites=tuple(replace(s, **changes) if s.name == name else s for s in tt.LAB.suites))
-
-
-def sleeping_suite(P, run, seed, data):  # a suite that trains for long (one process: from planning on)
-    (run.run_dir.parent / f"pid{seed}").write_text(str(os.getpid()))
-    time.sleep(120)
-    return [], {}
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
@@ -478,12 +481,8 @@ def test_ctrl_c_stops_the_run_with_one_line_and_leaves_no_process(jobs, tmp_path
     one line, no traceback from the parent or a --jobs process, and no process left. The run starts
     with Python's own SIGINT handler, as from a terminal (a shell's background job, such as a test
     run started with &, would pass SIGINT ignored on to it)."""
-    script = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-              f"import sys; sys.path.insert(0, {str(HERE)!r}); import train_tiny as tt, runner, test_train_tiny as t\n"
-              + ("runner.train_one = t.sleeps\nlab = tt.LAB\n" if jobs > 1 else
-                 "lab = t.lab_with('moe', protocol=t.sleeping_suite)\n") +
-              f"runner.main(['--smoke', '--suite', 'moe', '--seeds', '{jobs}', '--jobs', '{jobs}', "
-              f"'--out', {str(tmp_path)!r}], lab)\n")
+    argv = ["--smoke", "--suite", "moe", "--seeds", str(jobs), "--jobs", str(jobs), "--out", str(tmp_path)]
+    script = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n" + sessions_script(argv)
     run = subprocess.Popen([sys.executable, "-c", script], cwd=HERE, start_new_session=True, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     pids = pids_written([tmp_path / f"pid{s}" for s in range(jobs)])
@@ -512,14 +511,14 @@ def test_ctrl_c_during_start_up_prints_one_line_and_exits_130(after, tmp_path):
 
 def test_jobs_default_to_the_cores_per_thread_and_refuse_torchrun(monkeypatch, capsys):
     monkeypatch.setattr(runner, "usable_cores", lambda: 4)
-    assert runner.parse(["--smoke"], tt.LAB).jobs == 4
-    assert runner.parse(["--smoke", "--threads", "2"], tt.LAB).jobs == 2
-    assert runner.parse(["--smoke", "--threads", "8"], tt.LAB).jobs == 1
-    assert runner.parse(["--smoke", "--jobs", "3"], tt.LAB).jobs == 3
+    assert session(["--smoke"]).jobs == 4
+    assert session(["--smoke", "--threads", "2"]).jobs == 2
+    assert session(["--smoke", "--threads", "8"]).jobs == 1
+    assert session(["--smoke", "--jobs", "3"]).jobs == 3
     monkeypatch.setattr(runner, "DDP", True)
-    assert runner.parse(["--smoke"], tt.LAB).jobs == 1
+    assert session(["--smoke"]).jobs == 1
     with pytest.raises(SystemExit):
-        runner.parse(["--smoke", "--jobs", "2"], tt.LAB)
+        session(["--smoke", "--jobs", "2"])
     assert "under torchrun give --jobs 1" in capsys.readouterr().err
 
 
@@ -529,23 +528,21 @@ SMOKE = ["--smoke", "--ckpt-every", "1", "--jobs", "1"]  # one process: a patche
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     """One `--smoke` run (every suite with every arm), shared by the tests that read it: its
-    out folder, the stages it trained and the stages its progress line planned."""
+    out folder and the stages it trained."""
     out, stages, real = tmp_path_factory.mktemp("smoke"), [], trainer.train
 
-    def counting(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
-        if args.probe is None:  # the real stages, not the planning probe's
-            stages.append((name, P.iters))
-        return real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
+    def counting(name, model, loss_fn, data, stage, args, seed, on_step=None, **kw):
+        stages.append((name, stage.steps))
+        return real(name, model, loss_fn, data, stage, args, seed, on_step, **kw)
     with pytest.MonkeyPatch.context() as mp:
         patch_train(mp, counting)
         tt.main(SMOKE + ["--out", str(out)])
-    return out, stages, list(trainer.PROGRESS.planned)
+    return out, stages
 
 
 def test_smoke_runs_every_suite_and_writes_results(smoke_run):
-    tmp_path, stages, planned = smoke_run
-    assert planned == stages  # the progress line's plan is what the suites ran
-    assert {s.split("/")[0] for s, _ in stages} == set(tt.LAB.names())
+    tmp_path, stages = smoke_run
+    assert {s.split("/")[0] for s, _ in stages} == set(tt.SUITES)
     md = (tmp_path / "results.md").read_text()
     effects = all_effects()
     assert len(effects) == 28  # 8 HD and MoE, TaH-3, 4 for each TaH lookups task, 3 for addition, 2 attention, 3 HD inside per n
@@ -554,7 +551,7 @@ def test_smoke_runs_every_suite_and_writes_results(smoke_run):
         assert f"**{effect.name}** (paper: {effect.paper})" in md, effect
     identifiers_and_labels_name_each_other_one_to_one(json.loads(next(tmp_path.glob("run-*/rows.json")).read_text())["rows"])
     result = json.loads((tmp_path / "results.json").read_text())
-    assert [v["claim"] for v in result["verdicts"]] == [c.name for c in runner.claims(tt.LAB)]  # every claim judged
+    assert [v["claim"] for v in result["verdicts"]] == [c.name for c in tt.claims(tt.PRESETS["smoke"])]  # every claim
     assert all(v["verdict"] == "not shown" for v in result["verdicts"])  # one seed can never show an effect
     assert "With one seed the rule cannot say shown" in md and "(one seed)" in md
     assert not list(tmp_path.glob("run-*/ckpt"))  # --smoke removes its checkpoints once reported
@@ -583,8 +580,8 @@ def patch_train(monkeypatch, fn):
 
 
 def suite_run(name, P, args, seed, data, every_arm):
-    """One (suite, seed) of train_tiny's Lab, as the runner runs it."""
-    return runner.run_suite(tt.LAB.suite(name), P, replace(args, every_arm=every_arm), seed, data)
+    """One (suite, seed), as train_tiny runs it."""
+    return tt.train_seed(name, P, replace(args, every_arm=every_arm), seed, data)
 
 
 def suite_args(tmp_path):
@@ -594,18 +591,18 @@ def suite_args(tmp_path):
 def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp_path, monkeypatch):
     seen, real = {}, trainer.train
 
-    def spy(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
+    def spy(name, model, loss_fn, data, stage, args, seed, on_step=None, **kw):
         if "continued" not in name:
-            return real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
+            return real(name, model, loss_fn, data, stage, args, seed, on_step, **kw)
         start = (copy.deepcopy(model.backbone.state_dict()), [t.weight.detach().clone() for t in model.tables])
         batches = []
-        assert (P.lr, P.iters) == (P.hd_cont_lr, P.hd_cont_iters)  # the continuation's own budget
+        assert (stage.lr, stage.steps) == (P.hd_cont_lr, P.hd_cont_iters)  # the continuation's own budget
 
         def recording(m, x, y):
             batches.append((x.clone(), y.clone()))
             return loss_fn(m, x, y)
         seen[model.cfg.n_streams] = start, batches
-        return real(name, model, recording, data, P, args, seed, on_step, **kw)
+        return real(name, model, recording, data, stage, args, seed, on_step, **kw)
     patch_train(monkeypatch, spy)
     P = replace(tt.PRESETS["smoke"], hd_cont_lr=1e-3)
     text = tasks.TextData("Is this a dagger which I see before me, the handle toward my hand? " * 60, tmp_path / "t.npz")
@@ -657,7 +654,7 @@ def test_hd_ablations_continue_the_n1_checkpoint_on_the_headline_batches(tmp_pat
                                                                     ablations.HD_KV_CONT, ablations.HD_SCRATCH)}
     for c in ablations.HD_ABLATION_CLAIMS:  # every claim names arms the suite writes
         assert {c.arm.id, c.baseline.id} <= arms[c.effect.id], c.name
-    assert arms[ablations.HD_SCRATCH.id] == {arm.id for arm, _ in ablations.hd_scratch_arms()}
+    assert arms[ablations.HD_SCRATCH.id] == {arm.id for arm, _ in ablations.hd_scratch_arms(P)}
 
 
 @pytest.mark.parametrize("suite", ["tah", "tah-hidden", "tah-add"])
@@ -724,13 +721,15 @@ def test_exact_match_counts_the_problems_whose_every_answer_digit_is_right(digit
 def test_claims_match_rows_by_identifier_and_an_identifier_without_rows_is_an_error():
     rows = [r for n in (1, 2, 4) for s in (0, 1)
             for r in report.result_rows(hl.HD_N, hl.hd_cont_arm(n), s, {"loss": 5.0 - 0.01 * n - 0.001 * s})]
-    judged = report.judge(rows, runner.claims(tt.LAB))
-    assert [v["claim"] for v in judged] == [c.name for c in hl.HD_CLAIMS]  # other suites did not run
+    claims = tt.claims(tt.PRESETS["default"])
+    judged = report.judge(rows, claims)
+    assert [v["claim"] for v in judged] == [c.name for c in claims if c.effect == hl.HD_N]  # other suites did not run
+    assert len(judged) == 3
     relabelled = [{**r, "effect": r["effect"] + " (renamed)", "arm": r["arm"] + " (renamed)"} for r in rows]
-    assert report.judge(relabelled, runner.claims(tt.LAB)) == judged  # labels are for readers only
+    assert report.judge(relabelled, claims) == judged  # labels are for readers only
     renamed = [{**r, "arm_id": "n4-renamed"} if r["arm_id"] == hl.hd_cont_arm(4).id else r for r in rows]
     with pytest.raises(ValueError, match="n=4 beats n=1"):
-        report.judge(renamed, runner.claims(tt.LAB))
+        report.judge(renamed, claims)
     with pytest.raises(TypeError, match="an Arm"):  # a claim names arms by Arm, never by a label
         report.Claim("by label", hl.HD_N, hl.hd_cont_arm(2).label, hl.hd_cont_arm(1), "loss", -1)
     with pytest.raises(TypeError, match="an Effect and an Arm"):
@@ -746,7 +745,7 @@ def identifiers_and_labels_name_each_other_one_to_one(rows):
         labels.setdefault((r["effect"], r["arm"]), set()).add((r["effect_id"], r["arm_id"]))
     assert all(len(v) == 1 for v in ids.values()) and all(len(v) == 1 for v in labels.values())
     effects = {e for e, _ in ids}
-    for c in runner.claims(tt.LAB):  # every claim's arms are written by its suite
+    for c in tt.claims(tt.PRESETS["smoke"]):  # every claim's arms are written by its suite
         assert c.effect.id in effects, c.name
         assert (c.effect.id, c.arm.id) in ids, c.name
         assert not isinstance(c.baseline, report.Arm) or (c.effect.id, c.baseline.id) in ids, c.name
@@ -828,8 +827,12 @@ def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
     (["--device", "meta"], "--device must be"),
     (["--suite", "moe,moe"], "twice"),
     (["--smoke", "--preset", "default"], "not both"),
-    (["--seed0", "-1"], "--seed0"),
+    (["--seed0", "-1"], "--seed0 must be >= 0"),
     (["--suite", "tah,moe", "--accum", "3", "--batch", "2"], "--batch 2 has fewer rows than 1 rank(s) x 3"),
+    (["--hd_ns", "2,4"], "--hd_ns must start at 1"),
+    (["--hd_ns", "1,4,2"], "and rise"),
+    (["--hd_ns", "1"], "two values or more"),
+    (["--hd_ns", "1,x"], "invalid"),
     (["--suite", "tah", "--accum", "8", "--tah-batch", "7", "--batch", "9"], "--tah_batch 7 has fewer rows"),
     (["--out", ""], "--out must name a folder"),
     (["--threads", "0"], "--threads"),
@@ -849,13 +852,13 @@ def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
     (["--block=1"], "holds no whole Lookups problem"),
     (["--digits=19"], "--digits must be <= 18"),
     (["--plays=macbeth,macbeth"], "names a play twice"),
-    (["--seed0", "100000000000000"], "--seed0 must be at most"),
-    (["--seed0", str(2**64)], "--seed0 must be at most"),
+    (["--seed0", "100000000000000"], "--seed0 must be >= 0 and at most"),
+    (["--seed0", str(2**64)], "--seed0 must be >= 0 and at most"),
     (["--seed0", "1e30"], "invalid int value"),
 ])
 def test_bad_arguments_exit_with_one_clear_message(argv, words, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
-        runner.parse(argv + ([] if "--out" in argv else ["--out", str(tmp_path / "out")]), tt.LAB)
+        session(argv + ([] if "--out" in argv else ["--out", str(tmp_path / "out")]))
     assert e.value.code != 0
     assert words in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # refused before anything is written
@@ -913,19 +916,19 @@ def test_file_system_errors_stop_with_one_line(case, tmp_path, monkeypatch):
 
 def test_non_utf8_paths_and_a_non_numeric_port_are_refused(capsys):
     with pytest.raises(SystemExit):
-        runner.parse(["--out", "out-\udcff"], tt.LAB)  # a byte that is not UTF-8, as Python passes it on
+        session(["--out", "out-\udcff"])  # a byte that is not UTF-8, as Python passes it on
     assert "UTF-8 paths" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="MASTER_PORT"):
-        processes.dist_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "x"})
+        runner.dist_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "x"})
 
 
 def test_data_that_no_suite_reads_or_that_is_a_folder_is_refused(tmp_path, capsys):
     f = tmp_path / "t.txt"
     f.write_text("some text " * 100)
     with pytest.raises(SystemExit):
-        runner.parse(["--data", str(f), "--suite", "tah"], tt.LAB)
+        session(["--data", str(f), "--suite", "tah"])
     with pytest.raises(SystemExit):
-        runner.parse(["--data", str(tmp_path)], tt.LAB)
+        session(["--data", str(tmp_path)])
     err = capsys.readouterr().err
     assert "suites that train on text (hd, moe, hd-progressive)" in err and "it is a folder" in err
 
@@ -933,20 +936,20 @@ def test_data_that_no_suite_reads_or_that_is_a_folder_is_refused(tmp_path, capsy
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_device_without_cuda_is_refused(capsys):
     with pytest.raises(SystemExit):
-        runner.parse(["--device", "cuda:0"], tt.LAB)
+        session(["--device", "cuda:0"])
     assert "CUDA is not available" in capsys.readouterr().err
 
 
 def test_rank_without_world_size_is_one_clear_error():
-    assert processes.dist_env({}) == (False, 0, 1)
+    assert runner.dist_env({}) == (False, 0, 1)
     launched = {"LOCAL_RANK": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}  # what torchrun sets
-    assert processes.dist_env({"RANK": "1", "WORLD_SIZE": "2", **launched}) == (True, 1, 2)
+    assert runner.dist_env({"RANK": "1", "WORLD_SIZE": "2", **launched}) == (True, 1, 2)
     with pytest.raises(SystemExit, match="WORLD_SIZE"):
-        processes.dist_env({"RANK": "0"})
+        runner.dist_env({"RANK": "0"})
     with pytest.raises(SystemExit, match="not in"):
-        processes.dist_env({"RANK": "3", "WORLD_SIZE": "2", **launched})
+        runner.dist_env({"RANK": "3", "WORLD_SIZE": "2", **launched})
     with pytest.raises(SystemExit, match="MASTER_ADDR, MASTER_PORT not: launch with torchrun"):
-        processes.dist_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+        runner.dist_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
 
 
 @pytest.mark.parametrize("content, words", [(b"", "empty"), (b"\x00\x01\x02binary\x00" * 50, "binary"),
@@ -960,7 +963,7 @@ def test_bad_data_files_fail_before_any_training(tmp_path, content, words):
 
 
 def test_non_finite_loss_stops_the_run_naming_the_arm_and_step(tmp_path):
-    P = tt.Preset(block=16, batch=4, iters=5, warmup=2, lr=3e-3)
+    P = trainer.Stage(steps=5, lr=3e-3, warmup=2, batch=4, block=16)
     args = trainer.Run(tmp_path, log_every=100, ckpt_every=1)
     calls = []
 
@@ -973,7 +976,7 @@ def test_non_finite_loss_stops_the_run_naming_the_arm_and_step(tmp_path):
 
 
 def test_non_finite_weights_after_a_finite_loss_are_refused_before_any_save(tmp_path):
-    P = tt.Preset(block=16, batch=4, iters=2, warmup=1, lr=3e-3)
+    P = trainer.Stage(steps=2, lr=3e-3, warmup=1, batch=4, block=16)
     args = trainer.Run(tmp_path, log_every=100, ckpt_every=100)
 
     steps = []
@@ -991,7 +994,7 @@ def test_non_finite_weights_after_a_finite_loss_are_refused_before_any_save(tmp_
 
 
 def test_a_damaged_or_foreign_checkpoint_gives_one_line_naming_the_file(tmp_path):
-    P = tt.Preset(block=16, batch=4, iters=3, warmup=1, lr=3e-3)
+    P = trainer.Stage(steps=3, lr=3e-3, warmup=1, batch=4, block=16)
     key = ["k1"]  # the configuration the next train call belongs to
     train = lambda name, seed=0: trainer.train(name, small(), hl.lm_loss, tasks.Arith(2), P,
                                                trainer.Run(tmp_path, key[0], log_every=100, ckpt_every=1), seed=seed)
@@ -1152,14 +1155,14 @@ def test_flops_per_token_counts_active_experts_and_expanded_rows():
 
 
 def test_rehearsal_runs_every_arm_of_the_large_preset_for_two_steps():
-    args = runner.parse(["--rehearse"], tt.LAB)
+    args = session(["--rehearse"])
     gpu, P = tt.PRESETS["large"], args.P
-    assert args.every_arm and args.suites == tt.LAB.names() and args.out == "out-rehearsal"
+    assert args.every_arm and args.suites == tt.SUITES and args.out == Path("out-rehearsal")
     assert (P.n_layer, P.n_embd, P.block, P.batch, P.tah_batch) == (gpu.n_layer, gpu.n_embd, gpu.block, gpu.batch,
                                                                    gpu.tah_batch)
     assert {P.iters, P.hd_base_iters, P.hd_cont_iters, P.tah_base_iters, P.tah_sft_iters, P.decider_iters} == {2}
     with pytest.raises(SystemExit):
-        runner.parse(["--rehearse", "--smoke"], tt.LAB)
+        session(["--rehearse", "--smoke"])
 
 
 def test_counting_saved_measures_what_autograd_keeps_for_backward():
@@ -1172,13 +1175,15 @@ def test_counting_saved_measures_what_autograd_keeps_for_backward():
 
 
 def test_preset_fields_are_flags_the_nanogpt_way():
-    args = runner.parse(["--n_layer=4", "--layout=IIFL", "--plays=macbeth,hamlet", "--lr", "0.01", "--seeds=1"], tt.LAB)
-    assert (args.P.n_layer, args.P.layout, args.P.plays, args.P.lr, args.P.seeds) == (4, "IIFL", ("macbeth", "hamlet"), 0.01, 1)
+    args = session(["--n_layer=4", "--layout=IIFL", "--plays=macbeth,hamlet", "--lr", "0.01", "--seeds=1",
+                    "--hd_ns=1,2,8"])
+    assert (args.P.n_layer, args.P.layout, args.P.plays, args.P.lr, args.P.seeds, args.P.hd_ns) == (
+        4, "IIFL", ("macbeth", "hamlet"), 0.01, 1, (1, 2, 8))
     assert args.P.n_embd == tt.PRESETS["default"].n_embd  # the rest from the preset
-    dashed = runner.parse(["--n-layer=4", "--layout=IIFL", "--log_every=7", "--ckpt-every", "9", "--seed0=3"], tt.LAB)  # both spellings
-    assert (dashed.P.n_layer, dashed.log_every, dashed.ckpt_every, list(dashed.seeds)) == (4, 7, 9, [3, 4, 5, 6, 7])
-    assert runner.parse([], tt.LAB).preset_name == "default"  # on any device: the measured protocol
-    assert runner.parse(["--smoke", "--iters=7"], tt.LAB).P == replace(tt.PRESETS["smoke"], iters=7)
+    dashed = session(["--n-layer=4", "--layout=IIFL", "--log_every=7", "--ckpt-every", "9", "--seed0=3"])  # both spellings
+    assert (dashed.P.n_layer, dashed.run.log_every, dashed.run.ckpt_every, list(dashed.seeds)) == (4, 7, 9, [3, 4, 5, 6, 7])
+    assert session([]).preset_name == "default"  # on any device: the measured protocol
+    assert session(["--smoke", "--iters=7"]).P == replace(tt.PRESETS["smoke"], iters=7)
 
 
 def test_summing_over_ranks_leaves_a_parameter_no_rank_has_a_gradient_for_untouched(tmp_path):
@@ -1190,7 +1195,7 @@ def test_summing_over_ranks_leaves_a_parameter_no_rank_has_a_gradient_for_untouc
     try:
         used, unused = torch.nn.Parameter(torch.ones(3, 3)), torch.nn.Parameter(torch.ones(3, 3))
         (used * 2).sum().backward()
-        assert processes.sum_over_ranks([used, unused], 1.5, "cpu") == 1.5
+        assert trainer.sum_over_ranks([used, unused], 1.5, "cpu") == 1.5
         assert unused.grad is None and torch.equal(used.grad, torch.full((3, 3), 2.0))
         before = unused.detach().clone()
         opt = torch.optim.AdamW([used, unused], lr=0.1, weight_decay=0.1)
@@ -1229,10 +1234,9 @@ def test_progressive_expansion_chain_keeps_the_function_at_each_stage():
 def test_the_progressive_suites_control_sees_the_batches_of_the_expanded_arms(tmp_path, monkeypatch):
     seen, real = [], trainer.train
 
-    def recording(name, model, loss_fn, data, P, args, seed, on_step=None, first_batch=0):
-        if args.probe is None:
-            seen.append((name, first_batch, P.iters, getattr(model.cfg, "n_streams", 1)))
-        return real(name, model, loss_fn, data, P, args, seed, on_step, first_batch=first_batch)
+    def recording(name, model, loss_fn, data, stage, args, seed, on_step=None, first_batch=0):
+        seen.append((name, first_batch, stage.steps, getattr(model.cfg, "n_streams", 1)))
+        return real(name, model, loss_fn, data, stage, args, seed, on_step, first_batch=first_batch)
     patch_train(monkeypatch, recording)
     tt.main(["--smoke", "--suite", "hd-progressive", "--out", str(tmp_path)])
     P = tt.PRESETS["smoke"]
@@ -1270,25 +1274,14 @@ def record_pid(folder):
     return None
 
 
-def slow_task(folder, P):  # a Suite's task (module level: a --jobs process receives the suite)
-    return SlowToPickle(folder)
-
-
-def no_arms(P, run, seed, data):
-    return [], {}
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_ctrl_c_while_a_jobs_process_starts_is_not_lost(tmp_path):
     """SIGINT to the run's process group while the parent is inside a --jobs process's start
     (its task takes 3 s to pickle): the run stops with exit code 130 and one line, no traceback
     from either process, and no process left. (Before: SIGINT was ignored there, and lost.)"""
+    argv = ["--smoke", "--suite", "moe", "--seeds", "2", "--jobs", "2", "--out", str(tmp_path)]
     script = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-              f"import sys; sys.path.insert(0, {str(HERE)!r}); import train_tiny as tt, runner, test_train_tiny as t\n"
-              "import functools; runner.train_one = t.sleeps\n"
-              "lab = t.lab_with('moe', protocol=t.no_arms, extra=None, "
-              f"task=functools.partial(t.slow_task, {str(tmp_path)!r}))\n"
-              f"runner.main(['--smoke', '--suite', 'moe', '--seeds', '2', '--jobs', '2', '--out', {str(tmp_path)!r}], lab)\n")
+              + sessions_script(argv, f"t.SlowToPickle({str(tmp_path)!r})"))
     run = subprocess.Popen([sys.executable, "-c", script], cwd=HERE, start_new_session=True, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for _ in range(1200):
@@ -1307,7 +1300,7 @@ def test_ctrl_c_while_a_jobs_process_starts_is_not_lost(tmp_path):
 def test_a_master_port_out_of_range_is_refused_at_start():
     env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="99999")
     with pytest.raises(SystemExit, match="MASTER_PORT must be a port in 1..65535, got 99999"):
-        processes.dist_env(env)
+        runner.dist_env(env)
 
 
 @pytest.mark.parametrize("case", ["unresolvable address", "port in use"])
@@ -1324,7 +1317,7 @@ def test_a_ddp_set_up_that_cannot_start_stops_with_one_line(case, monkeypatch):
         monkeypatch.setenv(k, v)
     try:
         with pytest.raises(SystemExit) as e:
-            processes.start_ddp("cpu", timeout=20)
+            runner.start_ddp("cpu", timeout=20)
     finally:
         busy.close()
     line = str(e.value.code)
@@ -1362,79 +1355,57 @@ def test_temporaries_of_a_run_killed_mid_write_are_swept_from_out(tmp_path):
     assert not any(f.exists() for f in left)
 
 
-def test_a_suite_registered_in_one_place_reaches_every_part_of_the_run(tmp_path, monkeypatch, capsys):
-    """A throwaway Suite, added to the Lab and nowhere else: it is a --suite choice and in
-    --help, part of --suite all, planned by the probe (its stage in the progress plan), trained,
-    reported (its effect's table) and judged (its claim)."""
-    fx = hl.Effect("throwaway", "throwaway: an arm against its base", "no paper")
-    arm, base = report.Arm("arm", "the arm"), report.Arm("base", "its base")
-
-    def protocol(P, run, seed, data):
-        torch.manual_seed(seed)
-        model = Transformer(ModelConfig(vocab_size=data.vocab_size, block_size=P.block, n_layer=3, n_embd=32,
-                                        n_head=6, n_kv_head=2, head_dim=8, n_experts=4, expert_hidden=16))
-        losses = trainer.train("throwaway/arm", model, hl.lm_loss, data, P, run, seed)
-        return (hl.result_rows(fx, base, seed, {"x": 1.0})
-                + hl.result_rows(fx, arm, seed, {"x": 2.0 + len(losses) + seed})), {}
-    claim = report.Claim("throwaway: the arm beats its base", fx, arm, base, "x", +1)
-    lab = replace(tt.LAB, suites=tt.LAB.suites + (runner.Suite("throwaway", protocol, [claim],
-                                                               task=lambda P: tasks.Arith(P.digits), batch="tah_batch"),))
-    with pytest.raises(SystemExit):
-        runner.parse(["--help"], lab)
-    assert "throwaway" in capsys.readouterr().out
-    assert "throwaway" in runner.parse(["--suite", "all"], lab).suites
-    runner.main(["--smoke", "--suite", "throwaway", "--seeds", "2", "--jobs", "1", "--out", str(tmp_path)], lab)
-    P = tt.PRESETS["smoke"]
-    assert trainer.PROGRESS.planned == [("throwaway/arm", P.iters)] * 2  # the probe's plan
-    assert f"**{fx.name}**" in (tmp_path / "results.md").read_text()
-    verdicts = json.loads((tmp_path / "results.json").read_text())["verdicts"]
-    assert [v["claim"] for v in verdicts] == [claim.name] and verdicts[0]["verdict"] == "shown"
-
-
-@pytest.mark.parametrize("slowdown", [1.0, 1.2, 2.0])
-@pytest.mark.parametrize("mode", ["one process", "jobs, nothing finished", "jobs, after a finish"])
-def test_the_run_estimate_follows_the_steps_pace_and_says_when_it_is_slow(slowdown, mode):
-    """The pace is the timed steps' seconds over the probe's for them (start-up time does not
-    count). A --jobs process before any (suite, seed) has finished scales the parent's prediction
-    by it. The line says the pace is slow when it is over SLOW_PACE of what was expected: the
-    probe's pace in one process, the run's real-over-predicted scale so far under --jobs (there
-    a process's own neighbours slow it, so before a finish it says nothing)."""
-    p = processes.Progress()
-    run = {"one process": None, "jobs, nothing finished": (time.time(), 600.0, None),
-           "jobs, after a finish": (time.time(), 600.0, 1.0)}[mode]
-    p.start([("a", 100), ("b", 100)], {"a": 1.0, "b": 0.5}, run=run)
-    time.sleep(0.05)  # start-up: elapsed time that is not a step
-    for _ in range(20):
-        p.advance("a", 1, 1.0 * slowdown)
-    p.advance("a", 5)  # a resumed stage's steps: untimed, they do not move the pace
-    line = p.line()
-    assert p.pace() == pytest.approx(slowdown)
-    if mode == "jobs, nothing finished":
-        minutes = float(re.search(r"run ~(\d+\.\d) min left", line).group(1))
-        assert minutes == pytest.approx(10.0 * slowdown, abs=0.1)
-    said = slowdown > processes.SLOW_PACE and mode != "jobs, nothing finished"
-    assert ("pace " in line) == said, line
-
-
-def test_every_progress_line_carries_the_runs_time_left_under_jobs(tmp_path):
-    """Under --jobs 2, each process's step lines and the parent's "finished" lines all carry
-    the whole run's estimate ("run ~M min left"), not only their own (suite, seed)'s."""
+def test_every_finished_line_says_the_runs_time_left_from_the_pace_so_far(tmp_path):
+    """Under --jobs 2 and in one process, each (suite, seed)'s "finished" line carries the whole
+    run's estimate ("run ~M min left"); the trainer's step lines carry their stage's."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "train_tiny.py", "--preset", "smoke", "--suite", "moe", "--seeds", "3",
-                          "--jobs", "2", "--log_every", "1", "--out", str(tmp_path)], cwd=HERE, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    steps = [l for l in out.stdout.splitlines() if "] step " in l]
-    finished = [l for l in out.stdout.splitlines() if " finished (" in l]
-    assert steps and len(finished) == 3
-    assert all(re.search(r"\| run ~\d+\.\d min left$", l) for l in steps + finished), steps + finished
+    for jobs in ("1", "2"):
+        out = subprocess.run([sys.executable, "train_tiny.py", "--preset", "smoke", "--suite", "moe", "--seeds", "3",
+                              "--jobs", jobs, "--log_every", "1", "--out", str(tmp_path / jobs)], cwd=HERE, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        steps = [l for l in out.stdout.splitlines() if "] step " in l]
+        finished = [l for l in out.stdout.splitlines() if " finished (" in l]
+        assert steps and len(finished) == 3 and "3 of 3" in finished[-1]
+        assert all(re.search(r"\| stage ~\d+\.\d min left$", l) for l in steps), steps
+        assert all(re.search(r"\| run ~\d+\.\d min left$", l) for l in finished), finished
+
+
+@pytest.mark.parametrize("durations, jobs", [((110, 90), 2), ((110, 90), 1), ((110, 30), 2), ((60, 60, 20, 200), 4)])
+def test_the_time_left_is_within_30_percent_once_each_suite_has_finished_a_seed(durations, jobs):
+    """time_left against the truth of a simulated run (5 seeds of suites that take these seconds,
+    scheduled as Session.train schedules them: in order, on the first of `jobs` processes free,
+    each seed of a suite within 10% of the others): after every finish once each suite has
+    finished a seed, the estimate is within 30% of the time that is really left."""
+    import random
+    rng = random.Random(0)
+    units = [(s, k) for k in range(5) for s in range(len(durations))]  # seed by seed, as --suite order x seeds
+    units = sorted(units)  # train_tiny's loop: suite by suite, then seed
+    took = {u: durations[u[0]] * rng.uniform(0.95, 1.05) for u in units}
+    free, ends, starts = [0.0] * jobs, {}, {}
+    for u in units:
+        i = free.index(min(free))
+        starts[u], ends[u] = free[i], free[i] + took[u]
+        free[i] = ends[u]
+    finish = max(ends.values())
+    for now in sorted(ends.values()):
+        done = [u for u in units if ends[u] <= now]
+        seen = {}
+        for u in done:
+            seen.setdefault(u[0], []).append(took[u])
+        if len(seen) < len(durations):
+            continue
+        running = {u: starts[u] for u in units if starts[u] <= now < ends[u]}
+        todo = [u for u in units if ends[u] > now]
+        left = runner.time_left(todo, seen, running, jobs, now)
+        assert abs(left - (finish - now)) <= 0.3 * (finish - now) + 1e-9, (now, left, finish - now)
 
 
 def test_help_gives_each_default_once_in_the_form_the_flag_takes(capsys):
     """--help: no flag shows two defaults or "(default: None)"; --device says its default depends
     on the machine; a preset override lists every preset's value as the flag takes it."""
     with pytest.raises(SystemExit):
-        runner.main(["--help"], tt.LAB)
+        tt.main(["--help"])
     text = re.sub(r"\s+", " ", capsys.readouterr().out)
     flags = re.split(r" (?=--[a-z_]+[ ,])", text.split("options:")[1])
     assert len(flags) > 40
@@ -1479,23 +1450,22 @@ def test_pooled_counts_a_repeated_run_once_and_averages_a_seeds_runs(a, b, noise
 
 
 @given(st.lists(st.floats(1, 100), min_size=0, max_size=6), st.lists(st.floats(1, 100), min_size=1, max_size=3),
-       st.integers(1, 3), st.floats(0.5, 2))
+       st.integers(1, 3), st.floats(0, 50))
 @settings(deadline=None)
-def test_the_jobs_time_left_is_when_the_last_process_is_free(waiting, running, jobs, scale):
-    """processes.run_left: the running units finish, each waiting one goes (in order) to the first
-    process free, every time the prediction x scale. Against a step-by-step simulation of that
-    schedule: the time left is the moment the last process is done, not the first."""
+def test_the_jobs_time_left_is_when_the_last_process_is_free(waiting, running, jobs, ran):
+    """runner.time_left: the running units finish, each waiting one goes (in order) to the first
+    process free, every unit its suite's mean time so far. Against a step-by-step simulation of
+    that schedule: the time left is the moment the last process is done, not the first."""
     running = running[:jobs]
-    now = time.time()
-    seconds = {f"w{i}": s for i, s in enumerate(waiting)} | {f"r{i}": s for i, s in enumerate(running)}
-    started = {(f"r{i}", 0): now for i in range(len(running))}
-    got = processes.run_left(seconds, [(f"w{i}", 0) for i in range(len(waiting))],
-                             {(f"r{i}", 0): None for i in range(len(running))}, started, scale, jobs)
-    busy = [s * scale for s in running] + [0.0] * (jobs - len(running))  # each process: when it is free
+    took = {f"w{i}": [s] for i, s in enumerate(waiting)} | {f"r{i}": [s] for i, s in enumerate(running)}
+    now = 1000.0
+    got = runner.time_left([(f"r{i}", 0) for i in range(len(running))] + [(f"w{i}", 0) for i in range(len(waiting))],
+                           took, {(f"r{i}", 0): now - ran for i in range(len(running))}, jobs, now)
+    busy = [max(0.0, s - ran) for s in running] + [0.0] * (jobs - len(running))  # each process: when it is free
     for s in waiting:
         first = busy.index(min(busy))
-        busy[first] += s * scale
-    assert got == pytest.approx(max(busy), abs=0.05)
+        busy[first] += s
+    assert got == pytest.approx(max(busy), abs=1e-6)
 
 
 def test_sample_prints_text_from_the_hd_model_and_a_problem_answered_by_tah(tmp_path, capsys):

@@ -6,16 +6,13 @@ Tiny training runs that show the two papers' headline effects with numbers.
     python train_tiny.py --smoke              # every suite's code path in seconds
     torchrun --nproc_per_node=8 train_tiny.py # DDP: the global batch split over ranks
 
-This file holds the budgets (Preset) and the list of what runs. The demonstrations are Suites:
-the two headline ones in headline.py (HD's expansion factor, continued from one n=1 checkpoint;
-TaH's routing on in-context lookups), the ablations and contrasts in ablations.py, built from
-the same pieces. The data lives in tasks.py, the training loop in trainer.py, the verdict rule
-and plots in report.py; the command line, the --jobs processes, resume bookkeeping and the
-report's files are runner.py's and processes.py's, which a learner may skip.
-
-Each arm trains from the same seed on the same batches; results (mean and spread over seeds,
-the paper's figure beside them) are printed as a markdown table and written to
-`<out>/results.md` and `<out>/results.json`. A killed run resumes from its checkpoints.
+Read top to bottom: the budgets (Preset), their checks, then the experiment: for each suite, for
+each seed, train_seed builds the arms, trains and evaluates them (the protocols of headline.py
+and ablations.py, the loop of trainer.py) and gives their rows; then every claim is judged by one
+rule and the report written (report.py). Each arm trains from the same seed on the same batches;
+results (mean and spread over seeds, the paper's figure beside them) are printed as a markdown
+table and written to `<out>/results.md` and `<out>/results.json`. The command line, the --jobs
+processes, torchrun, resuming a killed run and Ctrl-C sit behind runner.Session.
 """
 
 import signal
@@ -26,16 +23,20 @@ if __name__ == "__main__":  # Ctrl-C while torch imports: one line and 130, as a
                                                                     "run or written", file=sys.stderr) or 130))
 
 import math
-from dataclasses import dataclass, field, fields
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-import ablations
-import headline
+import ablations as ab
+import headline as hl
+import report
 import runner
 from checks import MAX_INT, check_fits
 from hd import HDConfig, attention_path
-from tasks import Arith, Lookups
+from tasks import Arith, Lookups, load_text
+from trainer import loss_curves
 
 
 # -----------------------------------------------------------------------------
@@ -73,6 +74,8 @@ class Preset:
     hd_base_iters: int = knob(150, "HD: steps of the n=1 backbone every arm continues from")
     hd_cont_iters: int = knob(160, "HD: steps every arm continues from the n=1 checkpoint")
     hd_cont_lr: float = knob(3e-3, "HD: the continuation's peak learning rate (warmup, then cosine)")
+    hd_ns: tuple = knob((1, 2, 4), "HD: the n of each continued arm, from 1 (the control) up; a claim that each n "
+                        "beats n=1, and one per adjacent pair that the gain grows (--suite all: each from scratch too)")
     # TaH: in-context lookups (Lookups) on tah_layers; addition (Arith, --suite all) on add_layers
     symbols: int = 8
     queries: int = 5
@@ -118,9 +121,10 @@ COUNTS = {"seeds": MAX_SEEDS, **{f: MAX_STEPS for f in ("iters", "warmup", "hd_b
 TEXT_VOCAB = 100_000  # the text's vocabulary is known only once it is read: at most cl100k's, for the size rule
 
 
-def check_preset(P, device="cpu"):
-    """Every field in range, and the models it builds valid and within the device's memory (the
-    one rule for sizes, checks.check_fits): one line before anything is allocated or written."""
+def check_preset(P, device="cpu", suites=(), pieces=1):
+    """Every field in range, each suite's global batch cut into `pieces` (ranks x micro-steps; an
+    uneven cut is fine), and the models it builds valid and within the device's memory (the one
+    rule for sizes, checks.check_fits): one line before anything is allocated or written."""
     for f in fields(Preset):
         v = getattr(P, f.name)
         if isinstance(v, int) and not 1 <= v <= COUNTS.get(f.name, MAX_INT):
@@ -136,6 +140,12 @@ def check_preset(P, device="cpu"):
         return f"--digits must be <= 18 (the operands are int64), got {P.digits}"
     if len(set(P.plays)) != len(P.plays):
         return f"--plays names a play twice: {','.join(P.plays)}"
+    if P.hd_ns[:1] != (1,) or len(P.hd_ns) < 2 or list(P.hd_ns) != sorted(set(P.hd_ns)) or max(P.hd_ns) > 64:
+        return f"--hd_ns must start at 1 (the control) and rise, at most 64, two values or more, got {P.hd_ns}"
+    for batch_field in dict.fromkeys("batch" if s in TEXT else "tah_batch" for s in suites):
+        if getattr(P, batch_field) < pieces:
+            return f"--{batch_field} {getattr(P, batch_field)} has fewer rows than {runner.WORLD} rank(s) x " \
+                   f"{pieces // runner.WORLD} micro-step(s) (--accum)"
     return check_models(P, device)
 
 
@@ -146,11 +156,11 @@ def check_models(P, device):
             return (f"--block {P.block} holds no whole {type(task).__name__} problem ({task.problem_len} "
                     f"tokens): raise --block or lower --{name}")
     try:
-        cfgs = [(HDConfig(**headline.backbone_cfg(P, TEXT_VOCAB, layout=P.layout, window=P.window,
-                                                  n_streams=max(headline.HD_CONT_NS))), P.batch)]
+        cfgs = [(HDConfig(**hl.backbone_cfg(P, TEXT_VOCAB, layout=P.layout, window=P.window,
+                                            n_streams=max(P.hd_ns))), P.batch)]
         for task, layers in ((Lookups(P.symbols, P.queries, P.two_hop, P.three_hop), P.tah_layers),
                              (Arith(P.digits), P.add_layers)):
-            cfgs.append((headline.tah_config(P, task, layers), P.tah_batch))
+            cfgs.append((hl.tah_config(P, task, layers), P.tah_batch))
     except ValueError as e:
         return f"this preset builds no valid model: {e}"
     for cfg, batch in cfgs:  # the largest model of each kind, training at its batch
@@ -166,27 +176,117 @@ PATHS = {"fold": "streams folded, causal kernel", "causal": "causal kernel", "bl
 
 
 def describe(P, device):
-    """How each layer of the HD n = 4 model attends on this device (hd.attention_path), and TaH's mask."""
-    cfg = HDConfig(**headline.backbone_cfg(P, 100, layout=P.layout, window=P.window, n_streams=4))
+    """How each layer of the largest HD model attends on this device (hd.attention_path), and TaH's mask."""
+    n = max(P.hd_ns)
+    cfg = HDConfig(**hl.backbone_cfg(P, 100, layout=P.layout, window=P.window, n_streams=n))
     skip = cfg.mirrored.start if cfg.mirror_skip_on else None
     dev = torch.device(device)
     layers = [f"{i} {letter}: {PATHS[attention_path(cfg, i, skip is not None and i >= skip, dev)]}"
               + (" (final stream only)" if skip is not None and i >= skip else "") for i, letter in enumerate(cfg.layout)]
-    return f"HD n = 4 attention by layer: {'; '.join(layers)}. TaH: dense masks (duo-causal)"
+    return f"HD n = {n} attention by layer: {'; '.join(layers)}. TaH: dense masks (duo-causal)"
 
 
 # -----------------------------------------------------------------------------
-# What runs: the headline suites by default; with --suite all (or --smoke) every suite of
-# ablations.SUITES, the headline ones with their extra arms, in the report's order
+# The experiment: for each suite, for each seed, its arms trained and evaluated; then the verdicts
 
 
-LAB = runner.Lab(suites=tuple(ablations.SUITES), headline=(headline.HD.name, headline.TAH.name), presets=PRESETS,
-                 check=check_preset, doc=__doc__, describe=describe)
+SUITES = ["hd", "tah", "tah-hidden", "tah-add", "moe", "hd-progressive", "tah3"]  # the report's order
+HEADLINE = ["hd", "tah"]  # a plain run; --suite all (and --smoke) runs every suite with its extra arms
+TEXT = ["hd", "moe", "hd-progressive"]  # the suites that train on the text (Shakespeare, or --data)
+
+
+def task(suite, P, text):
+    """What a suite trains on: the text, or its synthetic task (tasks.py)."""
+    return {"tah": Lookups(P.symbols, P.queries, P.two_hop),
+            "tah-hidden": Lookups(P.symbols, P.queries, P.two_hop, per_problem=True),  # hop count once per problem
+            "tah-add": Arith(P.digits),
+            "tah3": Lookups(P.symbols, P.queries, P.two_hop, P.three_hop)}.get(suite, text)
+
+
+def train_seed(suite, P, run, seed, data):
+    """One (suite, seed): every arm of the suite built from the seed, trained on the seed's
+    batches and evaluated on the held-out set; its result rows (report.result_rows). With
+    --suite all, a headline suite's extra arms (ablations) train after its own, from what it
+    trained (the n=1 checkpoint, the TaH base)."""
+    extra = None
+    if suite == "hd":  # HD: n = 1, 2, 4 continued from one n = 1 checkpoint
+        rows, trained = hl.hd_protocol(P, run, seed, data)
+        extra = ab.hd_ablations
+    elif suite == "tah":  # TaH: Standard, AlwaysThink, TaH (oracle, decider) on in-context lookups
+        rows, trained = hl.tah_protocol(P, run, seed, data)
+        extra = ab.tah_attention_ablations
+    elif suite == "tah-hidden":
+        rows, trained = ab.tah_hidden(P, run, seed, data)
+    elif suite == "tah-add":
+        rows, trained = ab.tah_addition(P, run, seed, data)
+        extra = ab.tah_attention_ablations
+    elif suite == "moe":
+        rows, trained = ab.moe_protocol(P, run, seed, data)
+        extra = ab.moe_mirror
+    elif suite == "hd-progressive":
+        rows, trained = ab.hd_progressive(P, run, seed, data)
+    else:
+        rows, trained = ab.tah3_protocol(P, run, seed, data)
+    if run.every_arm and extra is not None:
+        rows += extra(P, run, seed, data, trained)
+    return rows
+
+
+def claims(P):
+    """Every claim, suite by suite: what the paper says, as an arm against a baseline in a metric
+    with a sign. A claim is judged where its suite's rows are."""
+    return (hl.hd_claims(P.hd_ns) + ab.HD_ABLATION_CLAIMS
+            + hl.TAH_CLAIMS + [ab.attention_claim("tah", "TaH, lookups")]
+            + hl.tah_claims(ab.TAH_HIDDEN_FX, ab.HIDDEN) + ab.router_claims(ab.TAH_HIDDEN_FX, ab.HIDDEN)
+            + hl.inside_claims(ab.TAH_HIDDEN_FX, ab.HIDDEN)
+            + hl.tah_claims(ab.TAH_ADD_FX, "TaH, addition") + [ab.attention_claim("tah-add", "TaH, addition")]
+            + ab.MOE_CLAIMS + ab.HD_PROG_CLAIMS + ab.TAH3_CLAIMS)
+
+
+FIGURES = ("loss_curves.png", "hd_streams.png", "tah_tradeoff.png", "tah_problem.png")
 
 
 def main(argv=None):
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here runner.main answers Ctrl-C
-    runner.main(argv, LAB)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here the session answers Ctrl-C
+    with runner.Session(argv, __doc__, PRESETS, SUITES, HEADLINE, TEXT, check_preset) as run:
+        P, out, t0 = run.P, run.out, time.time()
+        for stale in ("results.md", "results.json") + FIGURES:  # a run that stops early leaves no other run's
+            (out / stale).unlink(missing_ok=True)
+        text = load_text(run.data, P.plays, P.block, out) if set(run.suites) & set(TEXT) else None
+        if run.smoke:
+            runner.log("--smoke checks the plumbing: every suite's code path on tiny models, one seed, which decides "
+                       "nothing (the report is in results.md)")
+        runner.log(f"preset {run.preset_name}: {P}")
+        runner.log(f"{run.device}, compile {'on' if run.run.compile else 'off'}; {describe(P, run.device)}")
+        if text is not None:
+            runner.log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}")
+        for suite in run.suites:
+            for seed in run.seeds:
+                run.train(train_seed, suite, seed, task(suite, P, text))  # its rows saved (the last call waits)
+        if runner.MASTER:
+            write_report(run, P, time.time() - t0)
+
+
+def write_report(run, P, seconds):
+    """results.md / results.json from the rows alone, every claim judged by the rule; the figures."""
+    out, eval_set = run.out, "dev" if run.run.eval_split == "dev" else "held-out"
+    header = (f"Measured by `{run.command}` on {run.machine}, {P.seeds} seed(s), evaluated on the {eval_set} set; "
+              f"{seconds:.0f} s for this invocation.")
+    meta = {"preset": asdict(P), "run": run.run.run_dir.name, "data": run.data, "device": run.machine,
+            "world_size": runner.WORLD, "eval_set": run.run.eval_split}
+    summary = report.write_report(run.rows, claims(P), header, run.run, out, meta, {**hl.HD_INSIDE_MD, **hl.TAH_INSIDE_MD},
+                                  brief=run.smoke)
+    figures = [report.plot(loss_curves(run.run.run_dir), out)]
+    if "hd" in run.suites:
+        figures.append(hl.plot_hd_streams(summary, out, P.hd_ns))
+    if set(run.suites) & {"tah", "tah-hidden", "tah-add"}:
+        figures.append(hl.plot_tah_tradeoff(summary, out, eval_set))
+    if "tah" in run.suites:
+        figures.append(hl.copy_tah_problem(run.run.run_dir, out))
+    runner.log("figures: " + ", ".join(str(f) for f in figures if f))
+    if run.smoke and (run.run.run_dir / "ckpt").is_dir():
+        shutil.rmtree(run.run.run_dir / "ckpt")
+        runner.log(f"--smoke: its checkpoints are removed ({run.run.run_dir / 'ckpt'}); its rows stay in rows.json")
 
 
 if __name__ == "__main__":

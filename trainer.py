@@ -1,35 +1,34 @@
 """
 The trainer of train_tiny.py: one loop for every arm of every suite.
 
-The run's context (Run), the batch stream (the batch of step `it` depends only on (seed, it,
-split), so resuming and any world size see the same tokens), AdamW or Muon with warmup and
-cosine decay, gradient accumulation, checkpoints that carry their arm and a checksum and resume
-exactly, and held-out evaluation. torchrun's ranks and the progress line live in processes.py.
+The run's context (Run), one stage's budget (Stage), the batch stream (the batch of step `it`
+depends only on (seed, it, split), so resuming and any world size see the same tokens), AdamW
+or Muon with warmup and cosine decay, gradient accumulation and torchrun's ranks (gradients
+summed by hand), checkpoints that carry their arm and a checksum and resume exactly, and
+held-out evaluation. It knows nothing of the processes or the progress of the run around it.
 """
 
 import contextlib
 import hashlib
 import io
-import json
 import math
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
-import numpy as np
 import torch
+import torch.distributed as dist
 
 from hd import HiddenDecoding
 from moe import Transformer
-from processes import DDP, MASTER, PROGRESS, RANK, WORLD, log, sum_over_ranks
 from tasks import atomic
 
 
 @dataclass(frozen=True)
 class Run:
-    """One run's context, made once (runner.open_run), read by the trainer and the protocols."""
+    """One run's context, made once (runner.Session), read by the trainer and the protocols."""
     run_dir: Path  # <out>/run-<key>: checkpoints, finished rows, the analyses kept with the run
     run_key: Optional[str] = None  # the configuration's key, carried by every checkpoint
     device: str = "cpu"
@@ -43,12 +42,26 @@ class Run:
     rehearse: bool = False  # bf16 autocast on CPU, and the activation memory measured
     log_every: int = 50
     ckpt_every: int = 50
-    probe: Optional[list] = None  # the planning probe: (arm, steps, seconds per step) of each stage trained
 
-    @property
-    def probing(self):
-        """The planning probe: every stage a few steps, every evaluation one batch, nothing saved."""
-        return self.probe is not None
+
+class Stage(NamedTuple):
+    """One stage of training: its steps, peak learning rate and warm-up steps (then cosine decay
+    to a tenth), and the global batch of `batch` sequences of `block` tokens."""
+    steps: int
+    lr: float
+    warmup: int
+    batch: int
+    block: int
+
+
+def rank_world():
+    """(this process's rank, the world size): torchrun's, once its process group is up."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def log(*a):
+    if rank_world()[0] == 0:
+        print(*a, flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -59,9 +72,6 @@ def batch_gen(seed, it, split):
     """The global batch of iteration `it` depends only on (seed, it, split): resuming and any
     world size see the same tokens."""
     return torch.Generator().manual_seed(seed * 1_000_003 + it * 2 + (split != "train"))
-
-
-PROBE_STEPS = 4  # steps each stage runs in the planning probe (the first one, a warm-up, is not timed)
 
 
 def backbone_of(model):
@@ -83,37 +93,36 @@ def make_optimizer(model, lr, muon):
                               lr=lr, betas=(0.9, 0.95), fused=True)]  # fused: one kernel per step
 
 
-def lr_at(it, P):
-    if it < P.warmup:
-        return P.lr * (it + 1) / P.warmup
-    frac = (it - P.warmup) / max(1, P.iters - P.warmup)
-    return P.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+def lr_at(it, stage):
+    if it < stage.warmup:
+        return stage.lr * (it + 1) / stage.warmup
+    frac = (it - stage.warmup) / max(1, stage.steps - stage.warmup)
+    return stage.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
-def train(name, model, loss_fn, data, P, run, seed, on_step=None, first_batch=0):
-    """Train `model` for P.iters steps with loss_fn(model, x, y) on the batches of steps
+def train(name, model, loss_fn, data, stage, run, seed, on_step=None, first_batch=0):
+    """Train `model` for stage.steps steps with loss_fn(model, x, y) on the batches of steps
     first_batch, first_batch + 1, ... of the seed's stream (a later stage passes the steps
     run before it, so it sees new batches); checkpoint every run.ckpt_every steps (atomically)
     and resume from the checkpoint if one exists. Returns the list of training losses (one per
-    step). In the planning probe (run.probe) it runs PROBE_STEPS steps, saves nothing, and
-    records the stage's planned steps and its seconds per step."""
+    step)."""
     ckpt = run.run_dir / "ckpt" / f"{file_name(name)}_s{seed}.pt"
-    opts = make_optimizer(model, P.lr, run.muon)
-    meta = dict(arm=name, seed=seed, iters=P.iters, run=run.run_key)
-    start, losses = (0, []) if run.probing else resume(ckpt, model, opts, run.device, meta)
-    step = MicroSteps(name, model, loss_fn, P, run, seed)
-    if not run.probing:
-        announce(name, seed, P, start)
-    t0, times = time.perf_counter(), []
-    for it in range(start, min(P.iters, PROBE_STEPS) if run.probing else P.iters):
-        t = time.perf_counter()
+    opts = make_optimizer(model, stage.lr, run.muon)
+    meta = dict(arm=name, seed=seed, iters=stage.steps, run=run.run_key)
+    start, losses = resume(ckpt, model, opts, run.device, meta)
+    step = MicroSteps(name, model, loss_fn, stage, run, seed)
+    if 0 < start < stage.steps:
+        log(f"[{name} s{seed}] resuming at step {start}")
+    log(f"[{name} s{seed}] {stage.steps} steps, lr {stage.lr:g}, batch {stage.batch}")
+    t0 = time.perf_counter()
+    for it in range(start, stage.steps):
         for o in opts:  # the learning rate of step it
             for g in o.param_groups:
-                g["lr"] = lr_at(it, P)
-        if it > start and it % run.ckpt_every == 0 and not run.probing:  # the state after `it` steps
+                g["lr"] = lr_at(it, stage)
+        if it > start and it % run.ckpt_every == 0:  # the state after `it` steps
             checkpoint(ckpt, name, seed, it, model, opts, losses, meta)
-        x, y = data.batch("train", P.batch, P.block, batch_gen(seed, first_batch + it, "train"))
-        losses.append(step(x, y, rehearsing=it == start))  # forward and backward, averaged over ranks
+        x, y = data.batch("train", stage.batch, stage.block, batch_gen(seed, first_batch + it, "train"))
+        losses.append(step(x, y, rehearsing=it == start))  # forward and backward, summed over ranks
         torch.nn.utils.clip_grad_norm_(step.params, 1.0)
         for o in opts:
             o.step()
@@ -121,58 +130,37 @@ def train(name, model, loss_fn, data, P, run, seed, on_step=None, first_batch=0)
         if step.trains_backbone:
             backbone_of(model).update_router_bias()  # loss-free balancing, after the step
         step.check_finite(losses[-1], it)
-        times.append(time.perf_counter() - t)
-        if not run.probing:
-            log_progress(name, seed, it + 1, P, losses[-1], times, t0, start, model, run)
-            if on_step is not None:
-                on_step(it + 1)
-    return finish(name, seed, P, run, ckpt, start, model, opts, losses, meta, times)
-
-
-def finish(name, seed, P, run, ckpt, start, model, opts, losses, meta, times):
-    """A stage's end: the last checkpoint, or (in the planning probe) the stage's planned steps
-    and its time per step (its first step, a warm-up, untimed)."""
-    if run.probing:
-        run.probe.append((name, P.iters, float(np.median(times[1:])) if len(times) > 1 else None))
-    elif start < P.iters:
-        checkpoint(ckpt, name, seed, P.iters, model, opts, losses, meta)
+        if (it + 1) % run.log_every == 0 or it + 1 == stage.steps:
+            log_step(name, seed, it + 1, stage, losses[-1], (time.perf_counter() - t0) / (it + 1 - start), model,
+                     run.device)
+        if on_step is not None:
+            on_step(it + 1)
+    if start < stage.steps:
+        checkpoint(ckpt, name, seed, stage.steps, model, opts, losses, meta)
     return losses
 
 
-def log_progress(name, seed, done, P, loss, times, t0, start, model, run):
-    PROGRESS.advance(name, 1, times[-1] if done - 1 > start else None)  # a stage's first step warms up: untimed
-    if done % run.log_every == 0 or done == P.iters:
-        log_step(name, seed, done, P, loss, (time.perf_counter() - t0) / (done - start), model, run.device)
-
-
-def announce(name, seed, P, start):
-    """The stage's first line; a resumed stage's steps count as done in the progress."""
-    if 0 < start < P.iters:
-        log(f"[{name} s{seed}] resuming at step {start}")
-    PROGRESS.arm += 1
-    PROGRESS.advance(name, start)
-    log(f"[{name} s{seed}] {P.iters} steps, lr {P.lr:g}, batch {P.batch} | {PROGRESS.line()}")
-
-
 class MicroSteps:
-    """The forward and backward of one step: the global batch cut into WORLD x accum pieces as evenly
+    """The forward and backward of one step: the global batch cut into world x accum pieces as evenly
     as it goes (batch_piece), this rank's accum pieces run one after another, each piece's mean loss
     weighted by its share of the rows, and the gradients summed over ranks (DDP by hand): the global
     batch's mean loss, whatever the world size. Returns the step's loss."""
 
-    def __init__(self, name, model, loss_fn, P, run, seed):
-        self.name, self.model, self.loss_fn, self.P, self.run, self.seed = name, model, loss_fn, P, run, seed
+    def __init__(self, name, model, loss_fn, stage, run, seed):
+        self.name, self.model, self.loss_fn, self.stage, self.run, self.seed = name, model, loss_fn, stage, run, seed
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.trains_backbone = any(p.requires_grad for p in backbone_of(model).parameters())
-        if P.batch < WORLD * run.accum:
-            raise SystemExit(f"error: batch {P.batch} has fewer rows than {WORLD} ranks x {run.accum} micro-steps")
+        self.rank, self.world = rank_world()
+        if stage.batch < self.world * run.accum:
+            raise SystemExit(f"error: batch {stage.batch} has fewer rows than {self.world} ranks x {run.accum} "
+                             f"micro-steps")
         self.autocast = (torch.autocast("cuda", torch.bfloat16) if run.device.startswith("cuda") else
                          torch.autocast("cpu", torch.bfloat16) if run.rehearse else contextlib.nullcontext())
         self.fwd_model = compiled(model) if run.compile else model  # shares the weights
 
     def __call__(self, x, y, rehearsing):
         total = sum(self.micro_step(x, y, m, rehearsing and m == 0) for m in range(self.run.accum))
-        return sum_over_ranks(self.params, total, self.run.device) if DDP else total
+        return sum_over_ranks(self.params, total, self.run.device) if self.world > 1 else total
 
     def check_finite(self, loss, it):
         if not math.isfinite(loss):
@@ -182,8 +170,8 @@ class MicroSteps:
     def micro_step(self, x, y, m, measure):
         """Forward and backward of this rank's rows of micro-step m; a rehearsal measures the
         first one's activation memory."""
-        B, dev = self.P.batch, self.run.device
-        lo, hi = batch_piece(m * WORLD + RANK, WORLD * self.run.accum, B)  # this rank's rows of the global batch
+        B, dev, pieces = self.stage.batch, self.run.device, self.world * self.run.accum
+        lo, hi = batch_piece(m * self.world + self.rank, pieces, B)  # this rank's rows of the global batch
         saved = {}  # storage -> bytes of what autograd keeps for backward (measured in a rehearsal)
         with self.autocast, counting_saved(saved) if self.run.rehearse and measure else contextlib.nullcontext():
             loss = self.loss_fn(self.fwd_model, x[lo:hi].to(dev), y[lo:hi].to(dev))
@@ -192,7 +180,7 @@ class MicroSteps:
             n_all, n_trained = (sum(p.numel() for p in ps) / 1e6 for ps in (self.model.parameters(), self.params))
             log(f"[{self.name} s{self.seed}] rehearsal: {n_all:.2f}M parameters ({n_trained:.2f}M trained); "
                 f"~{sum(saved.values()) / 2**20:.0f} MiB of activations kept for backward per micro-batch of "
-                f"{hi - lo} x {self.P.block} tokens (bf16)")
+                f"{hi - lo} x {self.stage.block} tokens (bf16)")
         loss.backward()
         return loss.item()
 
@@ -200,6 +188,25 @@ class MicroSteps:
 def batch_piece(j, pieces, batch):
     """Rows [lo, hi) of piece j when `batch` rows are cut into `pieces` as evenly as it goes."""
     return j * batch // pieces, (j + 1) * batch // pieces
+
+
+def sum_over_ranks(params, total, dev):
+    """Sum gradients and the loss over DDP ranks by hand (each rank's are weighted by its share of
+    the global batch already, MicroSteps): with routing (MoE, TaH depths) the set of parameters
+    that receive a gradient can differ between ranks, which DDP's hooks do not allow. A parameter
+    no rank has a gradient for keeps none, as in one process: the optimizer then skips it (a zero
+    gradient would still move it through weight decay)."""
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=dev)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX)
+    for p, any_rank in zip(params, has.tolist()):
+        if not any_rank:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+    t = torch.tensor(total, device=dev)
+    dist.all_reduce(t)
+    return t.item()
 
 
 def compiled(model):
@@ -217,7 +224,7 @@ def checkpoint(ckpt, name, seed, done, model, opts, losses, meta):
     if not all(torch.isfinite(p).all() for p in model.parameters() if p.requires_grad):
         raise SystemExit(f"error: [{name} s{seed}] the weights are not finite after step {done}; nothing "
                          f"of this arm is saved or reported (try a lower lr)")
-    if MASTER:
+    if rank_world()[0] == 0:
         save(ckpt, model, opts, done, losses, meta)
 
 
@@ -296,51 +303,16 @@ def save(ckpt, model, opts, done, losses, meta):
     atomic(ckpt, lambda f: f.write(hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload))
 
 
-# -----------------------------------------------------------------------------
-# The finished rows of a run (resume: a (suite, seed) whose rows are saved is not trained again)
-
-
-ROW_KEYS = {"suite", "effect", "effect_id", "paper", "arm", "arm_id", "metric", "seed", "value"}
-
-
-def rows_digest(rows):
-    return hashlib.sha256(json.dumps(rows, indent=1).encode()).hexdigest()
-
-
-def save_rows(path, rows, key):
-    """The finished rows, with the run's key and the sha256 load_rows checks."""
-    doc = {"run": key, "sha256": rows_digest(rows), "rows": rows}
-    atomic(path, lambda f: f.write(json.dumps(doc, indent=1).encode()))
-
-
-def load_rows(path, key):
-    """The rows of the finished (suite, seed)s of run `key`, or one line naming the file if it
-    was changed or belongs to another run."""
-    if not path.exists():
-        return []
-    try:
-        doc = json.loads(path.read_text())
-        rows = doc["rows"]
-        ok = doc["sha256"] == rows_digest(rows) and all(isinstance(r, dict) and r.keys() == ROW_KEYS for r in rows)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        ok = False
-    if not ok:
-        raise SystemExit(f"error: {path} is damaged (unreadable, or its checksum does not match); delete it "
-                         f"(the checkpoints beside it are reused), or run with --fresh")
-    if doc.get("run") != key:
-        raise SystemExit(f"error: {path} holds the rows of run {doc.get('run')}, not of this run ({key}); delete "
-                         f"it, or run with --fresh")
-    return rows
-
-
-def log_step(name, seed, done, P, loss, dt, model, dev):
-    tok = P.batch * P.block / dt
+def log_step(name, seed, done, stage, loss, dt, model, dev):
+    """A step's line: the loss, time and tokens per step, on CUDA the MFU and peak memory, and the
+    stage's time left at its pace so far."""
+    tok = stage.batch * stage.block / dt
     mfu = ""
     if dev.startswith("cuda"):  # model FLOPs per token (as nanoGPT's estimate_mfu), vs 989 TFLOP/s bf16 (H100/H200)
-        mfu = (f" | mfu {flops_per_token(model, P.block) * tok / 989e12:.2%} | peak memory "
+        mfu = (f" | mfu {flops_per_token(model, stage.block) * tok / 989e12:.2%} | peak memory "
                f"{torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB")
-    log(f"[{name} s{seed}] step {done}/{P.iters} | loss {loss:.4f} | {dt * 1e3:.0f} ms/step | "
-        f"{tok / 1e3:.1f}k tok/s{mfu} | {PROGRESS.line()}")
+    log(f"[{name} s{seed}] step {done}/{stage.steps} | loss {loss:.4f} | {dt * 1e3:.0f} ms/step | "
+        f"{tok / 1e3:.1f}k tok/s{mfu} | stage ~{(stage.steps - done) * dt / 60:.1f} min left")
 
 
 def flops_per_token(model, T):
@@ -364,14 +336,15 @@ def flops_per_token(model, T):
 @torch.no_grad()
 def evaluate(model, data, P, run, fwd=None):
     """Held-out loss and accuracy of the next-token prediction over the whole split (the dev set
-    with --dev) in non-overlapping windows of P.block tokens: every target exactly once, the
-    same for every arm and seed. fwd(model, x, y) -> (logits, loss)."""
+    with --dev) in non-overlapping windows of P.block tokens, P.batch at a time (P: a Preset or a
+    Stage): every target exactly once, the same for every arm and seed. fwd(model, x, y) ->
+    (logits, loss)."""
     model.eval()
     fwd = fwd or (lambda m, x, y: m(x, y)[:2])
     xs, ys = data.windows(run.eval_split, P.block)
     total, hits, count = 0.0, 0, 0
     starts = range(0, len(xs), P.batch)
-    for i in starts[:1] if run.probing else starts:
+    for i in starts:
         x, y = xs[i:i + P.batch].to(run.device), ys[i:i + P.batch].to(run.device)
         logits, loss = fwd(model, x, y)
         keep = y != -1
