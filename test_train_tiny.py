@@ -564,12 +564,14 @@ def test_smoke_runs_every_suite_and_writes_results(smoke_run):
 
 
 def all_effects():
-    """Every Effect the two suite files define: alone, in a tuple (a TaH task's), or in a dict."""
+    """Every Effect the two suite files define: alone, in a tuple (a TaH task's), or in a dict, and
+    the HD probes' effects of each n > 1."""
     found = []
     for module in (hl, ablations):
         for v in vars(module).values():
             for group in (v.values() if isinstance(v, dict) else [v]):
                 found += [e for e in (group if isinstance(group, tuple) else [group]) if isinstance(e, hl.Effect)]
+    found += [e for n in tt.PRESETS["smoke"].hd_ns if n > 1 for e in hl.hd_inside_effects(n)]  # made per n
     return list(dict.fromkeys(found))
 
 
