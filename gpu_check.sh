@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything that needs a CUDA GPU, in one command of at most 8 minutes on one H100/H200:
+# Everything that needs a CUDA GPU, in one command of at most 8 minutes on one H100/H200
+# (`bash gpu_check.sh large`: instead, the GPU preset's run, `--preset large`, at most 9 minutes):
 #   1. side by side (correctness): the CUDA tests (python -m pytest -m cuda) and `train_tiny.py --smoke`
 #      on CUDA;
 #   2. alone (timed): the default run, `python train_tiny.py` (its (suite, seed)s in processes
@@ -40,6 +41,12 @@ step() {  # step NAME LIMIT_S COMMAND...: its output into $OUTDIR/NAME.log, its 
     echo "- $name: \`$*\` exit $rc in $((SECONDS - t0)) s$([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo " (stopped at its ${limit}-s limit)")" >> "$summary"
 }
 
+if [ "${1:-}" = "large" ]; then  # `bash gpu_check.sh large`: the GPU preset's whole protocol alone, all its seeds
+    step large 540 "$PY" train_tiny.py --preset large --out "$OUTDIR/large"
+    cp "$OUTDIR/large/results.md" "$OUTDIR/large_results.md" 2>/dev/null
+    cat "$summary"
+    exit 0
+fi
 step tests 140 "$PY" -m pytest -q -m cuda -p no:cacheprovider &
 step smoke 140 "$PY" train_tiny.py --smoke --out "$OUTDIR/smoke" &
 wait

@@ -20,7 +20,8 @@ import torch
 
 from hd import HDConfig, HiddenDecoding, expand_streams
 from inside import OUTCOMES, iteration_outcomes, stream_line, stream_name, stream_probes, tah_trace
-from report import Arm, Claim, Effect, result_rows, plot_streams, plot_sweep, plot_trace, trace_table
+from figures import plot_streams, plot_sweep, plot_trace
+from report import Arm, Claim, Effect, result_rows, trace_table
 from tah import TaHConfig, ThinkAtHard, oracle_depths
 from tasks import Lookups, answer_exact, atomic
 from trainer import Stage, batch_gen, evaluate, finite_loss, rank_world, train
@@ -182,7 +183,7 @@ def hd_inside_claims(n):
 
 
 def plot_hd_streams(summary, out, ns):
-    """HD's streams figure (report.plot_streams) over the n > 1 of ns."""
+    """HD's streams figure (figures.plot_streams) over the n > 1 of ns."""
     fxs = {n: hd_inside_effects(n) for n in ns if n > 1}
     return plot_streams(summary, out, *({n: getattr(fx, f).name for n, fx in fxs.items()} for f in HDInside._fields))
 

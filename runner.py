@@ -219,7 +219,7 @@ def is_utf8(path):
 DYNAMO = dict(fail_on_recompile_limit_hit=True, recompile_limit=64)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("moe.py", "hd.py", "tah.py", "checks.py", "tasks.py", "trainer.py", "report.py", "inside.py",
+SOURCES = ("moe.py", "hd.py", "tah.py", "checks.py", "tasks.py", "trainer.py", "report.py", "figures.py", "inside.py",
            "headline.py", "ablations.py", "runner.py", "train_tiny.py")  # all that can change a result
 
 

@@ -14,7 +14,7 @@ import matplotlib.figure  # noqa: E402
 from matplotlib.container import ErrorbarContainer  # noqa: E402
 
 import headline as hl  # noqa: E402
-import report  # noqa: E402
+import figures  # noqa: E402
 from inside import stream_name  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def drawn(monkeypatch, tmp_path):
     figs = []
     real = matplotlib.figure.Figure.savefig
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: (figs.append(self), real(self, *a, **k)))
-    monkeypatch.setattr(report.pyplot(), "close", lambda *a: None)
+    monkeypatch.setattr(figures.pyplot(), "close", lambda *a: None)
     return figs, tmp_path
 
 
@@ -85,7 +85,7 @@ def test_the_loss_curves_give_the_decider_its_own_axis_and_a_band_over_seeds(dra
               for arm in ("n=1 continued", "n=2 continued", "n=4 continued")}
     curves[("tah", "Standard")] = [list(rng.uniform(0, 1, 30)) for _ in range(3)]
     curves[("tah", "TaH stage 2 (decider)")] = [list(rng.uniform(0, 0.3, 30)) for _ in range(3)]
-    assert report.plot(curves, out) is not None
+    assert figures.plot(curves, out) is not None
     (fig,) = figs
     hd, tah = [ax for ax in fig.axes if ax.get_title()][:2]
     assert "nats" in hd.get_ylabel() and hd.get_title() != "hd"
@@ -100,7 +100,7 @@ def test_the_problem_figure_has_a_colorbar_and_names_each_answer_before_and_afte
     trace = dict(passes=torch.tensor([1, 2, 1]), go=torch.tensor([0.1, 0.95, 0.2]), first=torch.tensor([4, 5, 6]),
                  final=torch.tensor([4, 7, 6]), weights=torch.tensor([[0.5, 0.3, 0.2]]), query_pos=torch.tensor([1]),
                  key_pos=torch.tensor([0, 1, 1]), key_depth=torch.tensor([0, 0, 1]))
-    report.plot_trace(trace, ["a", "b?2", "c"], 0.9, out / "p.png", describe=lambda i: f"t{i}")
+    figures.plot_trace(trace, ["a", "b?2", "c"], 0.9, out / "p.png", describe=lambda i: f"t{i}")
     (fig,) = figs
     labels = [t.get_text() for t in fig.axes[1].get_yticklabels()]
     assert labels == ["b?2 (1.2): t5 -> t7"]
@@ -116,7 +116,7 @@ def test_the_problem_figure_has_a_colorbar_and_names_each_answer_before_and_afte
 def test_report_py_refuses_what_it_cannot_honour_in_one_line(argv, words, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
-        report.main(argv)
+        figures.main(argv)
     assert e.value.code == 2 and words in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing written
 
@@ -124,14 +124,14 @@ def test_report_py_refuses_what_it_cannot_honour_in_one_line(argv, words, capsys
 def test_report_py_says_in_one_line_when_its_folder_is_a_file_or_cannot_be_written(tmp_path, monkeypatch, capsys):
     (tmp_path / "f").write_text("x")
     with pytest.raises(SystemExit) as e:
-        report.main(["--out", str(tmp_path / "f")])
+        figures.main(["--out", str(tmp_path / "f")])
     assert e.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
 
     def denied(path):
         raise PermissionError(13, "Permission denied", str(path))
-    monkeypatch.setattr(report, "plot_masks", denied)
+    monkeypatch.setattr(figures, "plot_masks", denied)
     with pytest.raises(SystemExit, match=r"^error: Permission denied \(.*masks.png\): masks.png is not written$"):
-        report.main(["--out", str(tmp_path / "ro")])
+        figures.main(["--out", str(tmp_path / "ro")])
 
 
 @pytest.mark.parametrize("demo", ["moe.py", "hd.py", "tah.py", "generate.py"])

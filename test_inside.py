@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import moe
-import report
+import figures
 from hd import HDConfig, HiddenDecoding
 from inside import (OUTCOMES, attention_weights, entropy, head_probes, iteration_outcomes, recording_attention,
                     reference_copy, stream_cosine, stream_mass, stream_states, tah_trace)
@@ -215,11 +215,11 @@ def test_head_probes_count_disagreement_against_the_final_stream():
 
 
 def test_the_masks_picture_shows_the_mask_functions_cells():
-    """report.mask_panels on tiny sizes against the papers' definitions (a loop per cell), and
+    """figures.mask_panels on tiny sizes against the papers' definitions (a loop per cell), and
     the drawn figure's pixel at each cell's centre: dark exactly where the query sees the key."""
     pytest.importorskip("matplotlib")
     n, L, window, depths = 2, 3, 2, (2, 1, 2)
-    panels = report.mask_panels(n, L, window, depths)
+    panels = figures.mask_panels(n, L, window, depths)
     t = range(n * L)
     want = [[[kv <= q for kv in t] for q in t], [[0 <= q - kv < window for kv in t] for q in t],
             [[kv <= q and kv % n == q % n for kv in t] for q in t]]
@@ -227,7 +227,7 @@ def test_the_masks_picture_shows_the_mask_functions_cells():
     want.append([[j <= i and k <= d for (j, k) in states] for (i, d) in states])  # TaH Eq. 5
     assert [m.tolist() for _, m, _, _ in panels] == want
     assert panels[-1][2] == [f"{i}.{d + 1}" for i, d in states]  # token.pass, passes counted from 1
-    fig = report.draw_masks(panels)
+    fig = figures.draw_masks(panels)
     assert [t.get_text() for t in fig.legends[0].texts] == ["the query may attend to the key", "masked"]
     fig.canvas.draw()
     pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3].mean(-1)  # (H, W) brightness, row 0 at the top
@@ -237,4 +237,4 @@ def test_the_masks_picture_shows_the_mask_functions_cells():
                 x, y = ax.transData.transform((k, q))  # the cell's centre, y from the bottom
                 dark = pixels[int(round(pixels.shape[0] - y)), int(round(x))] < 128
                 assert dark == bool(m[q, k]), (ax.get_title(), q, k)
-    report.pyplot().close(fig)
+    figures.pyplot().close(fig)

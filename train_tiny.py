@@ -9,7 +9,7 @@ Tiny training runs that show the two papers' headline effects with numbers.
 Read top to bottom: the budgets (Preset), their checks, then the experiment: for each suite, for
 each seed, train_seed builds the arms, trains and evaluates them (the protocols of headline.py
 and ablations.py, the loop of trainer.py) and gives their rows; then every claim is judged by one
-rule and the report written (report.py). Each arm trains from the same seed on the same batches;
+rule and the report written (report.py, figures.py). Each arm trains from the same seed on the same batches;
 results (mean and spread over seeds, the paper's figure beside them) are printed as a markdown
 table and written to `<out>/results.md` and `<out>/results.json`. The command line, the --jobs
 processes, torchrun, resuming a killed run and Ctrl-C sit behind runner.Session.
@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 import ablations as ab
+import figures
 import headline as hl
 import report
 import runner
@@ -276,14 +277,14 @@ def write_report(run, P, seconds):
             "world_size": runner.WORLD, "eval_set": run.run.eval_split}
     summary = report.write_report(run.rows, claims(P), header, run.run, out, meta, {**hl.HD_INSIDE_MD, **hl.TAH_INSIDE_MD},
                                   brief=run.smoke)
-    figures = [report.plot(loss_curves(run.run.run_dir), out)]
+    drawn = [figures.plot(loss_curves(run.run.run_dir), out)]
     if "hd" in run.suites:
-        figures.append(hl.plot_hd_streams(summary, out, P.hd_ns))
+        drawn.append(hl.plot_hd_streams(summary, out, P.hd_ns))
     if set(run.suites) & {"tah", "tah-hidden", "tah-add"}:
-        figures.append(hl.plot_tah_tradeoff(summary, out, eval_set))
+        drawn.append(hl.plot_tah_tradeoff(summary, out, eval_set))
     if "tah" in run.suites:
-        figures.append(hl.copy_tah_problem(run.run.run_dir, out))
-    runner.log("figures: " + ", ".join(str(f) for f in figures if f))
+        drawn.append(hl.copy_tah_problem(run.run.run_dir, out))
+    runner.log("figures: " + ", ".join(str(f) for f in drawn if f))
     if run.smoke and (run.run.run_dir / "ckpt").is_dir():
         shutil.rmtree(run.run.run_dir / "ckpt")
         runner.log(f"--smoke: its checkpoints are removed ({run.run.run_dir / 'ckpt'}); its rows stay in rows.json")
