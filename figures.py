@@ -23,15 +23,20 @@ def pyplot():
 def plot(curves, out_dir):
     """Training losses, one panel per suite (curves: (suite, arm) -> per-seed loss lists): the
     mean over seeds, 10-step mean, with a band of ± one std over seeds; an inset of the arms that
-    train equally long, each minus the first, paired by seed (paired_differences), where curves
-    that overlap part; TaH's decider (a BCE, not a next-token loss) on an axis of its own."""
+    train equally long, each minus the first, paired by seed (paired_differences), in the colours
+    of their panel's lines, where curves that overlap part; TaH's decider (a BCE, not a next-token
+    loss) on an axis of its own. At most three panels a row."""
     plt = pyplot()
     if plt is None or not curves:
         return None
     suites = sorted({s for s, _ in curves})
-    fig, axes = plt.subplots(1, len(suites), figsize=(5.5 * len(suites), 4.2), squeeze=False)
-    for ax, suite in zip(axes[0], suites):
-        bce = None
+    cols = min(3, len(suites))
+    fig, axes = plt.subplots(-(-len(suites) // cols), cols, figsize=(5.5 * cols, 4.2 * -(-len(suites) // cols)),
+                             squeeze=False)
+    for ax in axes.flat[len(suites):]:
+        ax.set_visible(False)
+    for ax, suite in zip(axes.flat, suites):
+        bce, colors = None, {}
         for (s, arm), runs in curves.items():
             if s != suite:
                 continue
@@ -42,9 +47,11 @@ def plot(curves, out_dir):
             if "decider" in arm:  # stage 2 trains the decider's BCE: its own scale
                 bce = bce or ax.twinx()
                 on = bce
-            line, = on.plot(mean, label=arm, lw=1, ls="--" if on is bce else "-")
+            line, = on.plot(mean, label=arm, lw=1, **({"ls": "--", "color": "k"} if on is bce else {}))  # its own axis
+            colors[arm] = line.get_color()
             on.fill_between(range(len(mean)), mean - std, mean + std, color=line.get_color(), alpha=0.15, lw=0)
-        paired_differences(ax, {arm: runs for (s, arm), runs in curves.items() if s == suite and "decider" not in arm})
+        paired_differences(ax, {arm: runs for (s, arm), runs in curves.items() if s == suite and "decider" not in arm},
+                           colors)
         ax.set_title({"hd": "HD (hd suite)", "tah": "TaH on lookups (tah suite)"}.get(suite, f"{suite} suite"),
                      fontsize=9)
         ax.set_xlabel("step of the arm's stage")
@@ -60,7 +67,7 @@ def plot(curves, out_dir):
     return path
 
 
-def paired_differences(ax, arms):
+def paired_differences(ax, arms, colors):
     """An inset of ax: the arms that train equally long on the same batches (three or more, the
     first of them the baseline), each minus the baseline, seed by seed, then the mean (10-step
     mean): where curves that overlap on the main axes part."""
@@ -74,7 +81,7 @@ def paired_differences(ax, arms):
     inset = ax.inset_axes([0.42, 0.5, 0.36, 0.3])
     for arm in group[1:]:
         d = [np.convolve(np.subtract(a[:k], b[:k]), np.ones(10) / 10, mode="valid") for a, b in zip(arms[arm], arms[base])]
-        inset.plot(np.mean(d, axis=0), lw=1, label=arm)
+        inset.plot(np.mean(d, axis=0), lw=1, label=arm, color=colors[arm])
     inset.axhline(0, c="gray", lw=0.5)
     inset.set_title(f"minus {base}, paired by seed", fontsize=6)
     inset.tick_params(labelsize=5)

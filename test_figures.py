@@ -92,6 +92,13 @@ def test_the_loss_curves_give_the_decider_its_own_axis_and_a_band_over_seeds(dra
     assert any("BCE" in ax.get_ylabel() for ax in fig.axes)  # the decider's loss on an axis of its own
     assert hd.collections  # the band of ± one std over seeds
     assert hd.child_axes and "paired by seed" in hd.child_axes[0].get_title()  # the overlapping arms' differences
+    inset = hd.child_axes[0]
+    color = {line.get_label(): line.get_color() for line in hd.get_lines()}
+    assert [line.get_color() for line in inset.get_lines()[:2]] == [color["n=2 continued"], color["n=4 continued"]]
+    figs.clear()
+    assert figures.plot({(f"suite{k}", "arm"): [[1.0] * 20] for k in range(7)}, out) is not None  # --smoke's 7 suites
+    (fig,) = figs
+    assert fig.get_size_inches()[0] <= 3 * 5.5  # three panels a row, not one wide strip
 
 
 def test_the_problem_figure_has_a_colorbar_and_names_each_answer_before_and_after(drawn):
