@@ -328,8 +328,7 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path)
     assert resumed == straight  # bit for bit on CPU
 
 
-@pytest.mark.parametrize("suite", ["moe", "tah"])
-def test_ddp_over_three_ranks_has_its_own_run_and_equals_one_process(suite, tmp_path):
+def test_ddp_over_three_ranks_has_its_own_run_and_equals_one_process(tmp_path):
     """The same flags under torchrun (gloo, 3 ranks: batches of 8 cut 2, 3, 3 rows) into the same
     --out: a run of its own (the world size is in the key; nothing of the one-process run is
     reused) that trains the same numbers up to float summation order (parameters no rank has a
@@ -338,7 +337,7 @@ def test_ddp_over_three_ranks_has_its_own_run_and_equals_one_process(suite, tmp_
     global batch's: ~1e-4 apart."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
-    common = ["train_tiny.py", "--preset", "smoke", "--suite", suite, "--device", "cpu", "--out", str(tmp_path)]
+    common = ["train_tiny.py", "--preset", "smoke", "--suite", "moe,tah", "--device", "cpu", "--out", str(tmp_path)]
     one = subprocess.run([sys.executable, *common], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", *common],
@@ -359,14 +358,21 @@ def test_ddp_over_three_ranks_has_its_own_run_and_equals_one_process(suite, tmp_
     np.testing.assert_allclose(*zip(*losses), rtol=1e-3, atol=1e-4)
 
 
-def test_jobs_train_the_same_rows_as_one_process_in_any_order(tmp_path):
+def test_jobs_train_the_same_rows_as_one_process_in_any_order(tmp_path, capsys):
     """--jobs 2 spreads the (suite, seed)s over two processes (which finish in another order
     than one process's): every row, and the report under its header, equals a one-process run's,
     and both runs share one key (the numbers do not depend on --jobs). A resumed run that
-    finishes the seeds in another order writes the same report too."""
-    argv = ["--preset", "smoke", "--suite", "hd,tah", "--seeds", "2"]  # the headline arms
-    tt.main(argv + ["--jobs", "1", "--out", str(tmp_path / "one")])
-    tt.main(argv + ["--jobs", "2", "--out", str(tmp_path / "two")])
+    finishes the seeds in another order writes the same report too. In either, each (suite,
+    seed)'s "finished" line says the run's time left; a step line, its stage's."""
+    argv = ["--preset", "smoke", "--suite", "hd,tah", "--seeds", "2", "--log_every", "1"]  # the headline arms
+    for jobs in ("1", "2"):
+        tt.main(argv + ["--jobs", jobs, "--out", str(tmp_path / {"1": "one", "2": "two"}[jobs])])
+        lines = capsys.readouterr().out.splitlines()
+        finished = [l for l in lines if " finished (" in l]
+        assert len(finished) == 4 and "(4 of 4)" in finished[-1]
+        assert all(re.search(r"\| run ~\d+\.\d min left$", l) for l in finished), finished
+        steps = [l for l in lines if "] step " in l]  # one process: its step lines are this process's
+        assert all(re.search(r"\| stage ~\d+\.\d min left$", l) for l in steps) and (steps or jobs == "2"), steps
     (one,), (two,) = (list((tmp_path / d).glob("run-*")) for d in ("one", "two"))
     assert one.name == two.name
     rows = [json.loads((r / "rows.json").read_text())["rows"] for r in (one, two)]
@@ -1355,22 +1361,6 @@ def test_temporaries_of_a_run_killed_mid_write_are_swept_from_out(tmp_path):
         f.write_text("half")
     tt.main(["--smoke", "--suite", "moe", "--out", str(tmp_path)])
     assert not any(f.exists() for f in left)
-
-
-def test_every_finished_line_says_the_runs_time_left_from_the_pace_so_far(tmp_path):
-    """Under --jobs 2 and in one process, each (suite, seed)'s "finished" line carries the whole
-    run's estimate ("run ~M min left"); the trainer's step lines carry their stage's."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for jobs in ("1", "2"):
-        out = subprocess.run([sys.executable, "train_tiny.py", "--preset", "smoke", "--suite", "moe", "--seeds", "3",
-                              "--jobs", jobs, "--log_every", "1", "--out", str(tmp_path / jobs)], cwd=HERE, env=env,
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        steps = [l for l in out.stdout.splitlines() if "] step " in l]
-        finished = [l for l in out.stdout.splitlines() if " finished (" in l]
-        assert steps and len(finished) == 3 and "3 of 3" in finished[-1]
-        assert all(re.search(r"\| stage ~\d+\.\d min left$", l) for l in steps), steps
-        assert all(re.search(r"\| run ~\d+\.\d min left$", l) for l in finished), finished
 
 
 @pytest.mark.parametrize("durations, jobs", [((110, 90), 2), ((110, 90), 1), ((110, 30), 2), ((60, 60, 20, 200), 4)])
