@@ -53,7 +53,7 @@ def knob(default, what):
 class Preset:
     """One budget for every suite. The HD and MoE suites train the text backbone; the TaH suites
     train their own small dense models on synthetic tasks (TaH needs a model that is short of
-    depth for its hardest tokens, see headline.TAH): in-context lookups (the headline) and
+    depth for its hardest tokens, see headline.tah_protocol): in-context lookups (the headline) and
     addition (the contrast, --suite all)."""
     # text backbone (HD, MoE)
     n_layer: int = 6
@@ -113,6 +113,114 @@ PRESETS = {
         seeds=1, plays=("macbeth",)),
 }
 
+
+# -----------------------------------------------------------------------------
+# The experiment: for each suite, for each seed, its arms trained and evaluated; then the verdicts
+
+
+SUITES = ["hd", "tah", "tah-hidden", "tah-add", "moe", "hd-progressive", "tah3"]  # the report's order
+HEADLINE = ["hd", "tah"]  # a plain run; --suite all (and --smoke) runs every suite with its extra arms
+TEXT = ["hd", "moe", "hd-progressive"]  # the suites that train on the text (Shakespeare, or --data)
+
+
+def task(suite, P, text):
+    """What a suite trains on: the text, or its synthetic task (tasks.py)."""
+    return {"tah": Lookups(P.symbols, P.queries, P.two_hop),
+            "tah-hidden": Lookups(P.symbols, P.queries, P.two_hop, per_problem=True),  # hop count once per problem
+            "tah-add": Arith(P.digits),
+            "tah3": Lookups(P.symbols, P.queries, P.two_hop, P.three_hop)}.get(suite, text)
+
+
+def train_seed(suite, P, run, seed, data):
+    """One (suite, seed): every arm of the suite built from the seed, trained on the seed's
+    batches and evaluated on the held-out set; its result rows (report.result_rows). With
+    --suite all, a headline suite's extra arms (ablations) train after its own, from what it
+    trained (the n=1 checkpoint, the TaH base)."""
+    extra = None
+    if suite == "hd":  # HD: n = 1, 2, 4 continued from one n = 1 checkpoint
+        rows, trained = hl.hd_protocol(P, run, seed, data)
+        extra = ab.hd_ablations
+    elif suite == "tah":  # TaH: Standard, AlwaysThink, TaH (oracle, decider) on in-context lookups
+        rows, trained = hl.tah_protocol(P, run, seed, data)
+        extra = ab.tah_attention_ablations
+    elif suite == "tah-hidden":
+        rows, trained = ab.tah_hidden(P, run, seed, data)
+    elif suite == "tah-add":
+        rows, trained = ab.tah_addition(P, run, seed, data)
+        extra = ab.tah_attention_ablations
+    elif suite == "moe":
+        rows, trained = ab.moe_protocol(P, run, seed, data)
+        extra = ab.moe_mirror
+    elif suite == "hd-progressive":
+        rows, trained = ab.hd_progressive(P, run, seed, data)
+    else:
+        rows, trained = ab.tah3_protocol(P, run, seed, data)
+    if run.every_arm and extra is not None:
+        rows += extra(P, run, seed, data, trained)
+    return rows
+
+
+def claims(P):
+    """Every claim, suite by suite: what the paper says, as an arm against a baseline in a metric
+    with a sign. A claim is judged where its suite's rows are."""
+    return (hl.hd_claims(P.hd_ns) + ab.HD_ABLATION_CLAIMS
+            + hl.TAH_CLAIMS + [ab.attention_claim("tah", "TaH, lookups")]
+            + hl.tah_claims(ab.TAH_HIDDEN_FX, ab.HIDDEN) + ab.router_claims(ab.TAH_HIDDEN_FX, ab.HIDDEN)
+            + hl.inside_claims(ab.TAH_HIDDEN_FX, ab.HIDDEN)
+            + hl.tah_claims(ab.TAH_ADD_FX, "TaH, addition") + [ab.attention_claim("tah-add", "TaH, addition")]
+            + ab.MOE_CLAIMS + ab.HD_PROG_CLAIMS + ab.TAH3_CLAIMS)
+
+
+FIGURES = ("loss_curves.png", "hd_streams.png", "tah_tradeoff.png", "tah_problem.png")
+
+
+def main(argv=None):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here the session answers Ctrl-C
+    with runner.Session(argv, __doc__, PRESETS, SUITES, HEADLINE, TEXT, check_preset) as session:
+        P, out, t0 = session.P, session.out, time.time()
+        for stale in ("results.md", "results.json") + FIGURES:  # a run that stops early leaves no other run's
+            (out / stale).unlink(missing_ok=True)
+        text = load_text(session.data, P.plays, P.block, out) if set(session.suites) & set(TEXT) else None
+        if session.smoke:
+            runner.log("--smoke checks the plumbing: every suite's code path on tiny models, one seed, which decides "
+                       "nothing (the report is in results.md)")
+        runner.log(f"preset {session.preset_name}: {P}")
+        runner.log(f"{session.device}, compile {'on' if session.run.compile else 'off'}; {describe(P, session.device)}")
+        if text is not None:
+            runner.log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}")
+        for suite in session.suites:
+            for seed in session.seeds:
+                session.train(train_seed, suite, seed, task(suite, P, text))  # rows saved; the last call waits
+        if runner.MASTER:
+            write_report(session, P, time.time() - t0)
+
+
+def write_report(session, P, seconds):
+    """results.md / results.json from the rows alone, every claim judged by the rule; the figures."""
+    out, run = session.out, session.run
+    eval_set = "dev" if run.eval_split == "dev" else "held-out"
+    header = (f"Measured by `{session.command}` on {session.machine}, {P.seeds} seed(s), evaluated on the {eval_set} "
+              f"set; {seconds:.0f} s for this invocation.")
+    meta = {"preset": asdict(P), "run": run.run_dir.name, "data": session.data, "device": session.machine,
+            "world_size": runner.WORLD, "eval_set": run.eval_split}
+    summary = report.write_report(session.rows, claims(P), header, run, out, meta,
+                                  {**hl.HD_INSIDE_MD, **hl.TAH_INSIDE_MD}, brief=session.smoke)
+    drawn = [figures.plot(loss_curves(run.run_dir), out)]
+    if "hd" in session.suites:
+        drawn.append(hl.plot_hd_streams(summary, out, P.hd_ns))
+    if set(session.suites) & {"tah", "tah-hidden", "tah-add"}:
+        drawn.append(hl.plot_tah_tradeoff(summary, out, eval_set))
+    if "tah" in session.suites:
+        drawn.append(hl.copy_tah_problem(run.run_dir, out))
+    runner.log("figures: " + ", ".join(str(f) for f in drawn if f))
+    if session.smoke and (run.run_dir / "ckpt").is_dir():
+        shutil.rmtree(run.run_dir / "ckpt")
+        runner.log(f"--smoke: its checkpoints are removed ({run.run_dir / 'ckpt'}); its rows stay in rows.json")
+
+
+# -----------------------------------------------------------------------------
+# A preset's checks (runner.Session runs them before anything is written), and what a run's first
+# lines say of how its models attend
 
 
 MAX_STEPS, MAX_SEEDS = 10**6, 1000  # the counts' stated maxima: steps (every *iters, warm-up, batches), seeds
@@ -185,109 +293,6 @@ def describe(P, device):
     layers = [f"{i} {letter}: {PATHS[attention_path(cfg, i, skip is not None and i >= skip, dev)]}"
               + (" (final stream only)" if skip is not None and i >= skip else "") for i, letter in enumerate(cfg.layout)]
     return f"HD n = {n} attention by layer: {'; '.join(layers)}. TaH: dense masks (duo-causal)"
-
-
-# -----------------------------------------------------------------------------
-# The experiment: for each suite, for each seed, its arms trained and evaluated; then the verdicts
-
-
-SUITES = ["hd", "tah", "tah-hidden", "tah-add", "moe", "hd-progressive", "tah3"]  # the report's order
-HEADLINE = ["hd", "tah"]  # a plain run; --suite all (and --smoke) runs every suite with its extra arms
-TEXT = ["hd", "moe", "hd-progressive"]  # the suites that train on the text (Shakespeare, or --data)
-
-
-def task(suite, P, text):
-    """What a suite trains on: the text, or its synthetic task (tasks.py)."""
-    return {"tah": Lookups(P.symbols, P.queries, P.two_hop),
-            "tah-hidden": Lookups(P.symbols, P.queries, P.two_hop, per_problem=True),  # hop count once per problem
-            "tah-add": Arith(P.digits),
-            "tah3": Lookups(P.symbols, P.queries, P.two_hop, P.three_hop)}.get(suite, text)
-
-
-def train_seed(suite, P, run, seed, data):
-    """One (suite, seed): every arm of the suite built from the seed, trained on the seed's
-    batches and evaluated on the held-out set; its result rows (report.result_rows). With
-    --suite all, a headline suite's extra arms (ablations) train after its own, from what it
-    trained (the n=1 checkpoint, the TaH base)."""
-    extra = None
-    if suite == "hd":  # HD: n = 1, 2, 4 continued from one n = 1 checkpoint
-        rows, trained = hl.hd_protocol(P, run, seed, data)
-        extra = ab.hd_ablations
-    elif suite == "tah":  # TaH: Standard, AlwaysThink, TaH (oracle, decider) on in-context lookups
-        rows, trained = hl.tah_protocol(P, run, seed, data)
-        extra = ab.tah_attention_ablations
-    elif suite == "tah-hidden":
-        rows, trained = ab.tah_hidden(P, run, seed, data)
-    elif suite == "tah-add":
-        rows, trained = ab.tah_addition(P, run, seed, data)
-        extra = ab.tah_attention_ablations
-    elif suite == "moe":
-        rows, trained = ab.moe_protocol(P, run, seed, data)
-        extra = ab.moe_mirror
-    elif suite == "hd-progressive":
-        rows, trained = ab.hd_progressive(P, run, seed, data)
-    else:
-        rows, trained = ab.tah3_protocol(P, run, seed, data)
-    if run.every_arm and extra is not None:
-        rows += extra(P, run, seed, data, trained)
-    return rows
-
-
-def claims(P):
-    """Every claim, suite by suite: what the paper says, as an arm against a baseline in a metric
-    with a sign. A claim is judged where its suite's rows are."""
-    return (hl.hd_claims(P.hd_ns) + ab.HD_ABLATION_CLAIMS
-            + hl.TAH_CLAIMS + [ab.attention_claim("tah", "TaH, lookups")]
-            + hl.tah_claims(ab.TAH_HIDDEN_FX, ab.HIDDEN) + ab.router_claims(ab.TAH_HIDDEN_FX, ab.HIDDEN)
-            + hl.inside_claims(ab.TAH_HIDDEN_FX, ab.HIDDEN)
-            + hl.tah_claims(ab.TAH_ADD_FX, "TaH, addition") + [ab.attention_claim("tah-add", "TaH, addition")]
-            + ab.MOE_CLAIMS + ab.HD_PROG_CLAIMS + ab.TAH3_CLAIMS)
-
-
-FIGURES = ("loss_curves.png", "hd_streams.png", "tah_tradeoff.png", "tah_problem.png")
-
-
-def main(argv=None):
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here the session answers Ctrl-C
-    with runner.Session(argv, __doc__, PRESETS, SUITES, HEADLINE, TEXT, check_preset) as run:
-        P, out, t0 = run.P, run.out, time.time()
-        for stale in ("results.md", "results.json") + FIGURES:  # a run that stops early leaves no other run's
-            (out / stale).unlink(missing_ok=True)
-        text = load_text(run.data, P.plays, P.block, out) if set(run.suites) & set(TEXT) else None
-        if run.smoke:
-            runner.log("--smoke checks the plumbing: every suite's code path on tiny models, one seed, which decides "
-                       "nothing (the report is in results.md)")
-        runner.log(f"preset {run.preset_name}: {P}")
-        runner.log(f"{run.device}, compile {'on' if run.run.compile else 'off'}; {describe(P, run.device)}")
-        if text is not None:
-            runner.log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}")
-        for suite in run.suites:
-            for seed in run.seeds:
-                run.train(train_seed, suite, seed, task(suite, P, text))  # its rows saved (the last call waits)
-        if runner.MASTER:
-            write_report(run, P, time.time() - t0)
-
-
-def write_report(run, P, seconds):
-    """results.md / results.json from the rows alone, every claim judged by the rule; the figures."""
-    out, eval_set = run.out, "dev" if run.run.eval_split == "dev" else "held-out"
-    header = (f"Measured by `{run.command}` on {run.machine}, {P.seeds} seed(s), evaluated on the {eval_set} set; "
-              f"{seconds:.0f} s for this invocation.")
-    meta = {"preset": asdict(P), "run": run.run.run_dir.name, "data": run.data, "device": run.machine,
-            "world_size": runner.WORLD, "eval_set": run.run.eval_split}
-    summary = report.write_report(run.rows, claims(P), header, run.run, out, meta, {**hl.HD_INSIDE_MD, **hl.TAH_INSIDE_MD},
-                                  brief=run.smoke)
-    drawn = [figures.plot(loss_curves(run.run.run_dir), out)]
-    if "hd" in run.suites:
-        drawn.append(hl.plot_hd_streams(summary, out, P.hd_ns))
-    if set(run.suites) & {"tah", "tah-hidden", "tah-add"}:
-        drawn.append(hl.plot_tah_tradeoff(summary, out, eval_set))
-    if "tah" in run.suites:
-        drawn.append(hl.copy_tah_problem(run.run.run_dir, out))
-    runner.log("figures: " + ", ".join(str(f) for f in drawn if f))
-    if run.smoke and (run.run.run_dir / "ckpt").is_dir():
-        shutil.rmtree(run.run.run_dir / "ckpt")
-        runner.log(f"--smoke: its checkpoints are removed ({run.run.run_dir / 'ckpt'}); its rows stay in rows.json")
 
 
 if __name__ == "__main__":
