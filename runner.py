@@ -241,8 +241,8 @@ class Session:
 
     presets: name -> Preset ("default", "large", "smoke"); suites: every suite's name in the
     report's order; headline: those a plain run trains; text_suites: those that read the text;
-    check(P, device, suites, rows): the first problem of a preset for these suites, each global
-    batch cut into `rows` pieces (ranks x micro-steps), as one line (or None)."""
+    check(P, device, suites, world, accum): the first problem of a preset for these suites, each
+    global batch cut over `world` ranks x `accum` micro-steps, as one line (or None)."""
 
     def __init__(self, argv, doc, presets, suites, headline, text_suites, check):
         ap = parser(doc, presets, suites, headline)
@@ -258,13 +258,13 @@ class Session:
             P = replace(presets["large"], iters=2, hd_base_iters=2, hd_cont_iters=2, tah_base_iters=2, tah_sft_iters=2,
                         decider_iters=2, warmup=1, tah_eval_batches=1, seeds=1)
         self.P = replace(P, **{f.name: getattr(a, f.name) for f in fields(P) if hasattr(a, f.name)})
-        if problem := check(self.P, a.device, names, WORLD * a.accum):
+        if problem := check(self.P, a.device, names, WORLD, a.accum):
             ap.error(problem)
         self.suites, self.seeds, self.out, self.data, self.device = names, range(a.seed0, a.seed0 + self.P.seeds), \
             Path(out), a.data, a.device
         self.every_arm, self.smoke, self.fresh = a.suite == "all" or a.smoke or a.rehearse, a.smoke, a.fresh
         self.jobs = a.jobs or (1 if DDP else max(1, usable_cores() // a.threads))  # one GPU too: processes share it
-        self.threads, self.order = a.threads, list(suites)
+        self.threads, self.order, self.world, self.master = a.threads, list(suites), WORLD, MASTER
         self.run = Run(Path(), None, a.device, self.seeds, *(("dev", 104729) if a.dev else ("val", 7919)),
                        self.every_arm, a.muon, a.accum, a.compile, a.rehearse, a.log_every, a.ckpt_every)
         launch = f"torchrun --nproc_per_node={WORLD} train_tiny.py" if DDP else "python train_tiny.py"

@@ -301,12 +301,14 @@ def test_an_uneven_cut_of_the_batch_gives_the_whole_batchs_loss_and_gradients(ac
 
 
 @pytest.mark.parametrize("world", range(1, 9))
-def test_the_smoke_preset_has_a_row_for_every_rank_of_up_to_8(world, monkeypatch):
+def test_the_smoke_preset_has_a_row_for_every_rank_of_up_to_8(world, monkeypatch, capsys):
     """torchrun --nproc_per_node=8 train_tiny.py --smoke is taken: every suite's batch has a row per rank."""
     monkeypatch.setattr(runner, "WORLD", world)
-    assert tt.check_preset(tt.PRESETS["smoke"], "cpu", tt.SUITES, world) is None
+    assert session(["--smoke"]).P == tt.PRESETS["smoke"]  # parsed and checked
     monkeypatch.setattr(runner, "WORLD", 9)
-    assert "has fewer rows than 9 rank(s)" in tt.check_preset(tt.PRESETS["smoke"], "cpu", tt.SUITES, 9)
+    with pytest.raises(SystemExit):
+        session(["--smoke"])
+    assert "--batch 8 has fewer rows than 9 rank(s) x 1 micro-step(s)" in capsys.readouterr().err
 
 
 def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path):

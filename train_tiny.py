@@ -37,7 +37,7 @@ import runner
 from checks import MAX_INT, check_fits
 from hd import HDConfig, attention_path
 from tasks import Arith, Lookups, load_text
-from trainer import loss_curves
+from trainer import log, loss_curves
 
 
 # -----------------------------------------------------------------------------
@@ -182,16 +182,16 @@ def main(argv=None):
             (out / stale).unlink(missing_ok=True)
         text = load_text(session.data, P.plays, P.block, out) if set(session.suites) & set(TEXT) else None
         if session.smoke:
-            runner.log("--smoke checks the plumbing: every suite's code path on tiny models, one seed, which decides "
+            log("--smoke checks the plumbing: every suite's code path on tiny models, one seed, which decides "
                        "nothing (the report is in results.md)")
-        runner.log(f"preset {session.preset_name}: {P}")
-        runner.log(f"{session.device}, compile {'on' if session.run.compile else 'off'}; {describe(P, session.device)}")
+        log(f"preset {session.preset_name}: {P}")
+        log(f"{session.device}, compile {'on' if session.run.compile else 'off'}; {describe(P, session.device)}")
         if text is not None:
-            runner.log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}")
+            log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}")
         for suite in session.suites:
             for seed in session.seeds:
                 session.train(train_seed, suite, seed, task(suite, P, text))  # rows saved; the last call waits
-        if runner.MASTER:
+        if session.master:  # under torchrun, rank 0
             write_report(session, P, time.time() - t0)
 
 
@@ -202,7 +202,7 @@ def write_report(session, P, seconds):
     header = (f"Measured by `{session.command}` on {session.machine}, {P.seeds} seed(s), evaluated on the {eval_set} "
               f"set; {seconds:.0f} s for this invocation.")
     meta = {"preset": asdict(P), "run": run.run_dir.name, "data": session.data, "device": session.machine,
-            "world_size": runner.WORLD, "eval_set": run.eval_split}
+            "world_size": session.world, "eval_set": run.eval_split}
     summary = report.write_report(session.rows, claims(P), header, run, out, meta,
                                   {**hl.HD_INSIDE_MD, **hl.TAH_INSIDE_MD}, brief=session.smoke)
     drawn = [figures.plot(loss_curves(run.run_dir), out)]
@@ -212,10 +212,10 @@ def write_report(session, P, seconds):
         drawn.append(hl.plot_tah_tradeoff(summary, out, eval_set))
     if "tah" in session.suites:
         drawn.append(hl.copy_tah_problem(run.run_dir, out))
-    runner.log("figures: " + ", ".join(str(f) for f in drawn if f))
+    log("figures: " + ", ".join(str(f) for f in drawn if f))
     if session.smoke and (run.run_dir / "ckpt").is_dir():
         shutil.rmtree(run.run_dir / "ckpt")
-        runner.log(f"--smoke: its checkpoints are removed ({run.run_dir / 'ckpt'}); its rows stay in rows.json")
+        log(f"--smoke: its checkpoints are removed ({run.run_dir / 'ckpt'}); its rows stay in rows.json")
 
 
 # -----------------------------------------------------------------------------
@@ -230,9 +230,9 @@ COUNTS = {"seeds": MAX_SEEDS, **{f: MAX_STEPS for f in ("iters", "warmup", "hd_b
 TEXT_VOCAB = 100_000  # the text's vocabulary is known only once it is read: at most cl100k's, for the size rule
 
 
-def check_preset(P, device="cpu", suites=(), pieces=1):
-    """Every field in range, each suite's global batch cut into `pieces` (ranks x micro-steps; an
-    uneven cut is fine), and the models it builds valid and within the device's memory (the one
+def check_preset(P, device="cpu", suites=(), world=1, accum=1):
+    """Every field in range, each suite's global batch cut into `world` ranks x `accum` micro-steps
+    (an uneven cut is fine), and the models it builds valid and within the device's memory (the one
     rule for sizes, checks.check_fits): one line before anything is allocated or written."""
     for f in fields(Preset):
         v = getattr(P, f.name)
@@ -252,9 +252,9 @@ def check_preset(P, device="cpu", suites=(), pieces=1):
     if P.hd_ns[:1] != (1,) or len(P.hd_ns) < 2 or list(P.hd_ns) != sorted(set(P.hd_ns)) or max(P.hd_ns) > 64:
         return f"--hd_ns must start at 1 (the control) and rise, at most 64, two values or more, got {P.hd_ns}"
     for batch_field in dict.fromkeys("batch" if s in TEXT else "tah_batch" for s in suites):
-        if getattr(P, batch_field) < pieces:
-            return f"--{batch_field} {getattr(P, batch_field)} has fewer rows than {runner.WORLD} rank(s) x " \
-                   f"{pieces // runner.WORLD} micro-step(s) (--accum)"
+        if getattr(P, batch_field) < world * accum:
+            return f"--{batch_field} {getattr(P, batch_field)} has fewer rows than {world} rank(s) x {accum} micro-step(s) " \
+                   "(--accum)"
     return check_models(P, device)
 
 
