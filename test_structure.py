@@ -99,3 +99,32 @@ def test_the_patch_check_sees_each_form_of_patch(tmp_path):
                  "moe.attend = None\nmu.spawnv_passfds = print\nos.x, y = 1, 2\nsetattr(moe, 'k', 1)\n"
                  "multiprocessing.util.spawnv_passfds = print\nclass A: pass\na = A()\na.attend = 1\na.b.c = 2\n")
     assert [line for line, _ in module_patches(f)] == [4, 5, 6, 7, 8]
+
+
+LAB = ("train_tiny", "runner", "trainer", "headline", "ablations", "tasks", "report", "figures", "inside", "checks")
+
+
+def all_imports(path):
+    """Every module name `path` imports (the first part of each dotted name), the standard library's too."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_process_machinery_sits_behind_train_tiny_alone():
+    """runner.py (the command line, torchrun, --jobs processes, resume, Ctrl-C) is imported by
+    train_tiny.py alone: no method, protocol or the trainer reaches it, and the trainer imports no
+    process machinery of its own (its ranks come from torch.distributed)."""
+    graph = {p.stem: local_imports(p) - {p.stem} for p in MODULES}
+    assert sorted(name for name, deps in graph.items() if "runner" in deps) == ["train_tiny"]
+    assert not all_imports(HERE / "trainer.py") & {"runner", "multiprocessing", "signal", "threading", "queue"}
+
+
+def test_no_file_of_the_lab_is_over_450_lines():
+    """The experiment's files around the methods (LAB): none over 450 non-blank lines."""
+    sizes = {name: sum(1 for line in (HERE / f"{name}.py").read_text().splitlines() if line.strip()) for name in LAB}
+    assert max(sizes.values()) <= 450, sizes
