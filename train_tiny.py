@@ -6,13 +6,14 @@ Tiny training runs that show the two papers' headline effects with numbers.
     python train_tiny.py --smoke              # every suite's code path in seconds
     torchrun --nproc_per_node=8 train_tiny.py # DDP: the global batch split over ranks
 
-Read top to bottom: the budgets (Preset), their checks, then the experiment: for each suite, for
-each seed, train_seed builds the arms, trains and evaluates them (the protocols of headline.py
-and ablations.py, the loop of trainer.py) and gives their rows; then every claim is judged by one
-rule and the report written (report.py, figures.py). Each arm trains from the same seed on the same batches;
-results (mean and spread over seeds, the paper's figure beside them) are printed as a markdown
-table and written to `<out>/results.md` and `<out>/results.json`. The command line, the --jobs
-processes, torchrun, resuming a killed run and Ctrl-C sit behind runner.Session.
+Read top to bottom: the budgets (Preset), then the experiment: for each suite, for each seed,
+train_seed builds the arms, trains and evaluates them (the protocols of headline.py and
+ablations.py, the loop of trainer.py) and gives their rows; then every claim is judged by one
+rule and the report written (report.py, figures.py); last, a preset's checks. Each arm trains
+from the same seed on the same batches; results (mean and spread over seeds, the paper's figure
+beside them) are printed as a markdown table and written to `<out>/results.md` and
+`<out>/results.json`. The command line, the --jobs processes, torchrun, resuming a killed run
+and Ctrl-C sit behind runner.Session.
 """
 
 import signal
