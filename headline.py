@@ -57,6 +57,8 @@ def save_inside(run, name, text):
 HD_N = Effect("hd-n", "HD: expansion factor n, continued from one n=1 checkpoint",
               "6B MoE loss: baseline 1.908, HD n=2 1.874, n=3 1.857 (HD Table 5); each stage continues the "
               "previous one's checkpoint (HD §2.3)")
+
+
 def hd_cont_arm(n):
     return Arm(f"n{n}-continued", f"n={n} continued")
 
