@@ -20,6 +20,14 @@ def pyplot():
     return plt
 
 
+def saved(fig, path):
+    """A figure laid out, written to path (120 dpi) and closed: its path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
+
+
 def plot(curves, out_dir):
     """Training losses, one panel per suite (curves: (suite, arm) -> per-seed loss lists): the
     mean over seeds, 10-step mean, with a band of ± one std over seeds; an inset of the arms that
@@ -60,11 +68,7 @@ def plot(curves, out_dir):
             bce.set_ylabel("decider BCE (dashed)")
             bce.legend(fontsize=6, loc="center right")
         ax.legend(fontsize=6, loc="upper right")
-    fig.tight_layout()
-    path = out_dir / "loss_curves.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return saved(fig, out_dir / "loss_curves.png")
 
 
 def paired_differences(ax, arms, colors):
@@ -119,11 +123,7 @@ def plot_sweep(summary, out_dir, eval_set, effects, ends):
         ax.set_xlabel("positions iterated (fraction of all positions)")
         ax.set_ylabel(f"answer accuracy ({eval_set}; mean ± std over seeds)")
         ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    path = out_dir / "tah_tradeoff.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return saved(fig, out_dir / "tah_tradeoff.png")
 
 
 def plot_trace(trace, names, threshold, path, describe=str):
@@ -159,10 +159,7 @@ def plot_trace(trace, names, threshold, path, describe=str):
         ax.set_xlabel("key: token, position.pass")
         ax.set_ylabel("query (position.pass): top-1 after pass 1 -> pass 2", fontsize=8)
         ax.set_title("second pass: attention of each token that went on (duo-causal, mean over heads)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return saved(fig, path)
 
 
 def plot_streams(summary, out_dir, cosine, mass, head):
@@ -215,11 +212,7 @@ def plot_streams(summary, out_dir, cosine, mass, head):
     for ax in axes:
         ax.legend(fontsize=7)
     axes[0].tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
-    path = out_dir / "hd_streams.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return saved(fig, out_dir / "hd_streams.png")
 
 
 # -----------------------------------------------------------------------------
