@@ -1,16 +1,10 @@
 """
-The ablations and contrasts of train_tiny.py: what `--suite all` runs beside the headline.
-
-Built from the same pieces as the headline demonstrations (train_tiny.train_seed calls them):
-- the headline suites' extra arms, trained in the same (suite, seed) after the headline arms:
-  HD's layouts, objectives and shared KV, each continued from the n=1 checkpoint as the paper
-  runs them (HD Tables 4-6), and HD n = 1, 2, 4 from scratch (the contrast); TaH's attention
-  ablations under oracle routing (TaH Table 2);
-- suites of their own: TaH on lookups whose hop count is written once per problem (hardness the
-  query token does not reveal, against a token-type router), TaH on addition (the contrast: no
-  TaH premise), the MoE backbone's
-  loss-free balancing and KV-Mirror, HD's progressive protocol 1 -> 2 -> 4 (HD §2.3, §4.3), and
-  TaH-3 against TaH-2 on three-hop lookups (TaH App. A.2.1).
+The ablations and contrasts of train_tiny.py, what `--suite all` runs beside the headline:
+the headline suites' extra arms (HD's layouts, objectives and shared KV continued from the n=1
+checkpoint, HD Tables 4-6, and each n from scratch; TaH's attention ablations, Table 2), and
+suites of their own: TaH with the hop count once per problem (against a token-type router),
+TaH on addition (the contrast), the MoE backbone's balancing and KV-Mirror, HD's progressive
+1 -> 2 -> 4 (§2.3), and TaH-3 against TaH-2 (TaH App. A.2.1).
 """
 
 import copy
@@ -62,11 +56,9 @@ def objective_arm(objective):
 
 
 def hd_continued_ablation_arms(P):
-    """The ablations as the paper runs them (HD Tables 4-6: continued pretraining), each an n=2
-    model expanded from the n=1 checkpoint and continued for P.hd_cont_iters steps, as (effect,
-    arm, how): how is a dict of expand_streams overrides, or an int n whose headline arm this arm
-    is (n=2 with layout P.layout, objective final, per-stream KV), its rows reused (where
-    P.hd_ns has it: else it trains, with no override)."""
+    """The ablations as the paper runs them (HD Tables 4-6), each n=2 from the n=1 checkpoint, as
+    (effect, arm, how): how is a dict of expand_streams overrides, or the n of a headline arm
+    whose rows it reuses (n=2: layout P.layout, objective final, per-stream KV)."""
     L, n2 = P.n_layer, 2 if 2 in P.hd_ns else {}
     layouts = [(ALL_FULL, "F" * L), (FEW_FULL, P.layout), (ONE_FULL, "I" * (L - 1) + "F"), (ALL_INTRA, "I" * L)]
     return ([(HD_LAYOUTS_CONT, NO_EXPANSION, 1)]
@@ -125,10 +117,8 @@ def prog_arm(n, stage):
 
 
 def hd_progressive(P, run, seed, data):
-    """HD as the paper scales it: the n=1 backbone, then stage 1 (n=2 expanded from it) and
-    stage 2 (n=4 expanded from stage 1's n=2), P.hd_cont_iters steps each on the next batches.
-    On the same batches for the same steps: n=1 through both stages (the control), and n=2
-    through stage 2 (so that n=4 meets n=2 at equal steps)."""
+    """HD as the paper scales it (§2.3): stage 1 expands the n=1 backbone to n=2, stage 2 that n=2
+    to n=4; n=1 (the control) and n=2 go through both stages on the same batches."""
     base = hl.hd_backbone(P, run, seed, data, "hd-progressive")
     rows, models = [], {n: expand_streams(base, n).to(run.device) for n in (1, 2)}
     for stage in (1, 2):
@@ -194,10 +184,8 @@ HIDDEN = "TaH, lookups, hop count per problem"
 
 
 def tah_hidden(P, run, seed, data):
-    """TaH on lookups whose hop count is written once per problem, in a header far from the
-    queries; every query token names its symbol alone. A router that reads the token cannot tell
-    the hard queries; the decider can only through the model's state (TaH §3.3's premise). The
-    headline protocol, with the token-type router beside the decider."""
+    """TaH on lookups whose hop count is written once per problem: a query token does not say
+    which queries are hard, the model's state does (TaH §3.3); the token-type router beside."""
     return hl.tah_protocol(P, run, seed, data, "tah-hidden", TAH_HIDDEN_FX, router=True)
 
 
@@ -208,9 +196,8 @@ ROUTER_MARGIN = 0.03
 
 
 def router_claims(fx, task):
-    """The decider against the token-type router (the hop count per problem: the query token
-    does not say which queries are hard): as accurate, for fewer passes; and it sends the one
-    query token on in some of its occurrences, not all or none (TaH Table 6: 17-34%)."""
+    """The decider against the token-type router: fewer passes, accuracy within the margin, and
+    the query token sent on in some occurrences, not all or none (TaH Table 6: 17-34%)."""
     r, inside = fx.routing, fx.inside
     return [
         Claim(f"{task}: the decider runs fewer passes per token than the token-type router", r, hl.TAH_DECIDER,
@@ -224,9 +211,8 @@ def router_claims(fx, task):
 
 
 def tah_addition(P, run, seed, data):
-    """The contrast: TaH on addition. An answer digit's extra work is the carry chain over the
-    operands, not a refinement at the digit's own position, so iterating only the hard digits
-    (whose operands never iterate: they have no target) cannot supply it."""
+    """The contrast: TaH on addition, whose hard digits need the carry chain over operands that
+    never iterate (they have no target), not a refinement at the digit."""
     return hl.tah_protocol(P, run, seed, data, "tah-add", TAH_ADD_FX, P.add_layers)
 
 
@@ -243,10 +229,8 @@ DEEPER, THIRD = "passes, three-hop minus two-hop", "three-hop queries at 3 passe
 
 
 class IteratedOracle:
-    """Labels for TaH-3 that the decider can learn, an option beside the authors' CE bins: the
-    max_depth-2 rule (Eq. 7, App. A.2.1) applied once more. A token is hard (2 passes) iff the
-    reference's top-1 misses its target; a hard token the TaH-2 model (under these 2-pass
-    labels) still gets wrong after its second pass gets 3."""
+    """TaH-3 labels a decider can learn, beside the authors' CE bins: Eq. 7's rule once more. Hard
+    (the reference's top-1 misses) is 2 passes; still wrong after TaH-2's second pass, 3."""
 
     def __init__(self, ref, tah2, task):
         for name, m in (("ref", ref), ("tah2", tah2)):
@@ -269,12 +253,9 @@ class IteratedOracle:
 
 
 def tah3_protocol(P, run, seed, data):
-    """TaH-3 against TaH-2 on lookups with three-hop queries (a one-layer model follows one link
-    per pass, so a three-hop answer needs three). One base and one Standard fine-tune (the oracle's
-    reference), then from the base on the same batches, each through stage 1 and stage 2: TaH-2
-    (hard tokens 2 passes), TaH-3 (hard tokens binned per sample by the reference's CE into 2 and
-    3 passes, App. A.2.1, the faithful default) and TaH-3 on iterated labels (IteratedOracle,
-    read off the TaH-2 model)."""
+    """TaH-3 against TaH-2 on three-hop lookups (one layer follows one link per pass). One base and
+    one Standard (the reference); from the base, each through both stages: TaH-2, TaH-3 (the
+    reference's CE bins, App. A.2.1) and TaH-3 on iterated labels (IteratedOracle)."""
     stages = hl.tah_stages(P, data)
     cfg = hl.tah_config(P, data, P.tah_layers)
     base = hl.tah_base(P, run, seed, data, cfg, "tah3", stages)
@@ -296,8 +277,7 @@ def tah3_protocol(P, run, seed, data):
 
 @torch.no_grad()
 def tah_by_hops(model, data, stages, run, decider):
-    """Answer accuracy and passes per query by hop count, and the share of all positions at 2 and
-    at 3 passes, over the evaluation batches (decider routing, or standard)."""
+    """Accuracy and passes per query by hop count, and the positions at 2 and 3 passes."""
     model.eval()
     ok, passes, kinds, depths = [], [], [], []
     for x, y in hl.eval_batches(data, stages, run):

@@ -1,14 +1,10 @@
 """
 Input checks for moe.py, hd.py and tah.py, kept out of the method files.
 
-Each config has one table: field -> the rules its value must pass, in order. A rule is a test
-(value, config) -> bool and what the value must be, so a failure reads
-"<field> must be <what>, got <value>". Rules may read fields listed before theirs.
-`check_config` runs a config's table; a test lists any field without an entry.
-
-Tensor inputs (token ids, targets, oracle depths) are checked by the functions at the end:
-types and shapes always, values only where reading them is free (on CPU), since on CUDA a
-min or a max makes the host wait for the device.
+Each config has one table: field -> rules, each a test (value, config) -> bool and what the
+value must be, so a failure reads "<field> must be <what>, got <value>"; a rule may read the
+fields before its own. Tensor inputs are checked by the functions at the end: types and shapes
+always, values only where it is free (on CPU: on CUDA a min or max waits for the device).
 """
 
 import argparse
@@ -122,8 +118,7 @@ def check_config(cfg):
 
 
 def parameters(cfg):
-    """The parameter count of the model cfg builds, from its shapes (moe.Transformer, plus HD's
-    other stream tables, plus TaH's LoRA adapters and decider); test_checks.py checks it."""
+    """The parameter count of the model cfg builds, from its shapes (test_checks.py checks it)."""
     C, H, Hkv, hd, V, L = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.vocab_size, cfg.n_layer
     attn = [(C, H * hd), (C, Hkv * hd), (C, Hkv * hd), (C, H), (H * hd, C)]  # q, k, v, gate, o as (in, out)
     E, I = cfg.n_experts, cfg.expert_hidden
@@ -138,10 +133,9 @@ def parameters(cfg):
 
 
 def activations(cfg, batch=1, scores=False):
-    """Elements a forward of `batch` full sequences keeps, roughly: per row (token x stream for HD,
-    token x pass for TaH) and layer its states (~16 C, the heads' q/k/v/outputs, the experts'
-    hidden), the logits, and with `scores` the dense path's attention scores over every row (a
-    training step on the dense reference; the causal and folded kernels keep none)."""
+    """Elements a forward of `batch` sequences keeps, roughly: per row (token x stream, x pass) and
+    layer ~16 C plus the heads and the experts' hidden, the logits, and with `scores` the dense
+    path's attention scores (a training step on the dense reference)."""
     rows = batch * cfg.block_size * getattr(cfg, "n_streams", 1) * getattr(cfg, "max_depth", 1)
     hidden = 3 * (cfg.top_k * cfg.expert_hidden + cfg.expert_hidden) if cfg.n_experts else 3 * cfg.ffn_hidden
     per_row = 16 * cfg.n_embd + 3 * (cfg.n_head + cfg.n_kv_head) * cfg.head_dim + hidden
@@ -157,9 +151,8 @@ def memory_limit(device="cpu"):
 
 
 def check_fits(cfg, batch=1, training=False, device="cpu"):
-    """The one rule for sizes: float32 parameters (x4 training: gradients and AdamW's two moments)
-    and a forward's activations at `batch` (training: with the dense path's scores) must fit the
-    device's memory. Every config checks itself at batch 1; train_tiny checks its training runs."""
+    """The one rule for sizes: float32 parameters (x4 training: gradients, AdamW's moments) and
+    the activations at `batch` must fit the device's memory."""
     need = 4 * (parameters(cfg) * (4 if training else 1) + activations(cfg, batch, scores=training))
     limit = memory_limit(device)
     if need > limit:
@@ -173,11 +166,9 @@ def check_fits(cfg, batch=1, training=False, device="cpu"):
 
 
 def check_tokens(idx, targets, vocab_size, values=None):
-    """idx (B, T) int64/int32 ids in [0, vocab_size), B, T >= 1; targets None or int64 ids of
-    idx's shape in [0, vocab_size), -1 = ignored, at least one kept. values: check the ids
-    themselves (None: only on CPU, where it is free, and never under torch.compile). On CUDA,
-    and compiled, an id out of range still stops at the embedding's own check; all-ignored
-    targets give a nan loss there, which the trainer stops on."""
+    """idx (B, T) int64/int32 ids in [0, vocab_size); targets None or int64 of idx's shape, ids or
+    -1 (ignored), not all -1. The ids themselves only where reading them is free (values=None:
+    on CPU, not compiled); elsewhere the embedding checks them, and the trainer stops on a nan."""
     if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"idx must be an integer tensor of token ids (int64 or int32, as nn.Embedding takes), "
                          f"got {getattr(idx, 'dtype', type(idx))}")
@@ -226,9 +217,8 @@ def check_length(start, T, block_size, unit="tokens"):
 
 
 def check_caches(caches, n_layer, block_size, rows_per_token=lambda i: 1, window=lambda i: None):
-    """A forward's caches: one per layer, as generate.make_caches gives them (each with room for
-    block_size tokens at the layer's rows per token, all holding the same tokens). Returns how
-    many tokens they hold. (Each checks its batch size itself, before its first write.)"""
+    """A forward's caches, one per layer as generate.make_caches gives them; returns the tokens
+    they hold."""
     if (not isinstance(caches, (list, tuple)) or len(caches) != n_layer
             or not all(hasattr(c, "update") and hasattr(c, "__len__") for c in caches)):
         raise ValueError(f"caches must be a list of one KV cache per layer ({n_layer}): take them from "

@@ -29,11 +29,8 @@ def saved(fig, path):
 
 
 def plot(curves, out_dir):
-    """Training losses, one panel per suite (curves: (suite, arm) -> per-seed loss lists): the
-    mean over seeds, 10-step mean, with a band of ± one std over seeds; an inset of the arms that
-    train equally long, each minus the first, paired by seed (paired_differences), in the colours
-    of their panel's lines, where curves that overlap part; TaH's decider (a BCE, not a next-token
-    loss) on an axis of its own. At most three panels a row."""
+    """Training losses, a panel per suite (curves: (suite, arm) -> per-seed losses), 10-step means
+    ± one std over seeds, the paired differences inset; TaH's decider BCE on its own axis."""
     plt = pyplot()
     if plt is None or not curves:
         return None
@@ -72,9 +69,8 @@ def plot(curves, out_dir):
 
 
 def paired_differences(ax, arms, colors):
-    """An inset of ax: the arms that train equally long on the same batches (three or more, the
-    first of them the baseline), each minus the baseline, seed by seed, then the mean (10-step
-    mean): where curves that overlap on the main axes part."""
+    """An inset: the arms that train equally long on the same batches (3 or more), each minus the
+    first, seed by seed, then the mean: where curves that overlap part."""
     by_len = {}
     for arm, runs in arms.items():
         by_len.setdefault(min(map(len, runs)), []).append(arm)
@@ -93,10 +89,9 @@ def paired_differences(ax, arms, colors):
 
 
 def plot_sweep(summary, out_dir, eval_set, effects, ends):
-    """TaH's compute-accuracy trade-off, one panel per effect in `effects` (one per task):
-    answer accuracy (on eval_set) vs positions iterated, mean ± std over seeds, the decider's
-    thresholds as a curve with each point labelled, the arms named in `ends` (Standard and
-    AlwaysThink) as end points; an inset zooms on the thresholds, which crowd near each other."""
+    """TaH's compute-accuracy trade-off, a panel per effect: accuracy vs positions iterated (mean
+    ± std), the decider's thresholds as a labelled curve, `ends` (Standard, AlwaysThink) as
+    points; an inset zooms on the thresholds."""
     panels = {}  # effect -> arm -> metric -> (mean, std)
     for s in summary:
         if s["effect"] in effects:
@@ -127,11 +122,9 @@ def plot_sweep(summary, out_dir, eval_set, effects, ends):
 
 
 def plot_trace(trace, names, threshold, path, describe=str):
-    """One TaH forward drawn (TaH Figs. 5 and 7): per token, the decider's probability of going
-    on after the first pass (bars, red where the token ran a second pass), the threshold; below,
-    the second pass's attention (mean over heads) of each token that went on over every
-    (position, pass) key, each query labelled with its top-1 after pass 1 and after pass 2
-    (`describe` names a token id)."""
+    """One TaH forward drawn (TaH Figs. 5, 7): p(go on) after pass 1 per token (red: it went on)
+    and the threshold; below, the second pass's attention of each token that went on over every
+    (position, pass) key."""
     plt = pyplot()
     if plt is None:
         return None
@@ -163,11 +156,9 @@ def plot_trace(trace, names, threshold, path, describe=str):
 
 
 def plot_streams(summary, out_dir, cosine, mass, head):
-    """HD's streams (HD Figs. 6 and 7) from the rows, mean ± std over seeds: (a) cosine of two
-    streams per layer, same token and different tokens, per n (effects `cosine`, n -> effect
-    name); (b) the final stream's attention mass per stream in each cross-stream layer (the
-    largest n, `mass`); (c) how often each earlier stream's top-1 differs from the final
-    stream's and (d) each stream's LM-head entropy (`head`)."""
+    """HD's streams (Figs. 6, 7), mean ± std over seeds: (a) the cosine of two streams per layer,
+    same and different tokens; (b) the final stream's attention mass per stream (largest n);
+    (c) how often an earlier stream's top-1 differs from the final's; (d) each stream's entropy."""
     plt = pyplot()
     stats = {(s["effect"], s["arm"], s["metric"]): (s["mean"], s["std"]) for s in summary}
     ran = [n for n in cosine if any(k[0] == cosine[n] for k in stats)]
@@ -220,10 +211,9 @@ def plot_streams(summary, out_dir, cosine, mass, head):
 
 
 def mask_panels(n=2, L=4, window=3, depths=(1, 2, 1, 2)):
-    """[(title, boolean matrix (queries, keys), query labels, key labels)] from the mask functions
-    themselves: hd.py's full, local and intra over n streams of L tokens (row "2b": token 2,
-    stream b), and tah.py's duo_causal over one row of passes per token (row "2.2": token 2 in
-    pass 2), its states ordered pass by pass as a forward appends them."""
+    """[(title, mask (queries, keys), row labels, column labels)] from the mask functions: hd.py's
+    full, local and intra (row "2b": token 2, stream b) and tah.py's duo_causal (row "2.2": token
+    2, pass 2), its states in the order a forward appends them."""
     import torch
     from hd import full, intra, local
     from moe import dense_mask

@@ -1,13 +1,11 @@
 """
-The two headline demonstrations of train_tiny.py: Hidden Decoding's expansion
-factor n, continued from one n = 1 checkpoint (HD §2.3, Table 5), and Think-at-Hard's routing on
-in-context lookups (TaH §4.3, §5). Read top to bottom: the shared pieces, then for each paper its
-protocol, the rows it writes, the claims on them, and what it looks inside.
+The two headline demonstrations of train_tiny.py: Hidden Decoding's expansion factor n,
+continued from one n = 1 checkpoint (HD §2.3, Table 5), and Think-at-Hard's routing on in-context
+lookups (TaH §4.3, §5). For each paper: its protocol, the rows, the claims, what it looks inside.
 
-A protocol is protocol(P, run, seed, data) -> (rows, trained): P the budget (train_tiny.Preset),
-run the run's context (trainer.Run), data the task; `trained` is what ablations.py builds its
-extra arms on (HDTrained, TaHTrained). Each stage's steps and learning rate are named where it
-trains (trainer.Stage). Each arm trains from the same seed on the same batches.
+A protocol is protocol(P, run, seed, data) -> (rows, trained): P the budget, run the run's
+context (trainer.Run), data the task; `trained` is what ablations.py builds its extra arms on.
+Each arm trains from the same seed on the same batches.
 """
 
 import copy
@@ -84,16 +82,14 @@ JUST_EXPANDED = Arm("n2-step0", "n=2 just expanded (step 0)")
 
 @dataclass
 class HDTrained:
-    """What the HD protocol hands its extra arms: the n = 1 backbone every arm continues from, and
-    the held-out metrics of each continued headline arm (n -> metrics)."""
+    """What the HD protocol hands its extra arms: the n = 1 backbone and each n's metrics."""
     base: HiddenDecoding
     headline: dict
 
 
 def hd_protocol(P, run, seed, data):
-    """The paper's continued-pretraining protocol (HD §2.3, §4): pretrain an n = 1 backbone, then
-    continue it as each n of P.hd_ns (1, 2 and 4 by default; n = 1 is the control) on the same
-    batches for the same steps, each expanded with E_k <- E_{k mod n}."""
+    """HD's continued-pretraining protocol (§2.3, §4): an n = 1 backbone, continued as each n of
+    P.hd_ns (n = 1: the control) on the same batches, each expanded with E_k <- E_{k mod n}."""
     base = hd_backbone(P, run, seed, data, "hd")
     rows = result_rows(HD_N, BACKBONE, seed, evaluate(base, data, P, run))
     rows += result_rows(HD_N, JUST_EXPANDED, seed, evaluate(expand_streams(base, 2), data, P, run))
@@ -110,8 +106,7 @@ def hd_protocol(P, run, seed, data):
 
 
 def hd_claims(ns):
-    """Every n > 1 beats n = 1 (the control), and the gain grows with n: each n beats the one
-    before it (n=4 beats n=2 by default); then what the probes show inside each n > 1."""
+    """Each n > 1 beats n = 1, each n beats the one before it, and the probes' claims per n > 1."""
     more = [n for n in ns if n > 1]
     return ([Claim(f"HD n={n} beats n=1 (continued from one checkpoint)", HD_N, hd_cont_arm(n), hd_cont_arm(1),
                    "loss", -1) for n in more]
@@ -233,8 +228,8 @@ TAH_ARMS = [(ALWAYS, "always", "always"), (TAH_ORACLE, "tah", "oracle"), (TAH_DE
 
 
 def tah_config(P, task, n_layer):
-    """The TaH suites' model: the text backbone's attention shape, dense, n_layer blocks (KV-Mirror
-    needs 3), a narrow MLP, two passes at most, rank-8 LoRA, top-100 logits (all, if fewer)."""
+    """The TaH suites' model: the backbone's attention shape, dense, n_layer blocks, a narrow MLP,
+    two passes at most, rank-8 LoRA, top-100 logits."""
     return TaHConfig(**backbone_cfg(P, task.vocab_size, n_experts=0, n_layer=n_layer, kv_mirror=n_layer >= 3,
                                     ffn_hidden=P.tah_ffn_hidden),
                      logit_topk=min(100, task.vocab_size), max_depth=2, lora_rank=8)
@@ -249,10 +244,9 @@ class TaHStages(NamedTuple):
 
 
 def tah_stages(P, task):
-    """Budgets of the TaH suite's stages: the base model, the fine-tunes (Standard, AlwaysThink,
-    TaH stage 1; each from the base on the same batches) and stage 2. A sequence holds whole
-    problems only: the tokens of a problem cut off at the block's end carry no target that
-    its pairs or operands could serve (a row starts at a problem), so they are not computed."""
+    """The TaH suite's stages: the base model, the fine-tunes (each from the base on the same
+    batches) and stage 2. A sequence holds whole problems only: a problem cut off at the block's
+    end has targets its pairs or operands cannot serve."""
     block = P.block // task.problem_len * task.problem_len
     return TaHStages(base=Stage(P.tah_base_iters, P.tah_base_lr, min(50, P.tah_base_iters), P.tah_batch, block),
                      sft=Stage(P.tah_sft_iters, P.tah_sft_lr, min(10, P.tah_sft_iters), P.tah_batch, block),
@@ -284,12 +278,10 @@ def from_base(base, attention="duo"):
 
 
 def tah_protocol(P, run, seed, data, tag="tah", fx=TAH_FX, n_layer=None, router=False):
-    """The paper's protocol (TaH §4.3, §5) at tiny scale. A base model is pretrained on the
-    task; from it, on the same batches for the same steps: Standard (fine-tuned as is: it is
-    also the oracle's reference, as the paper uses the SFT model), AlwaysThink (every token 2
-    passes), TaH stage 1 (oracle depths from the frozen Standard model), then TaH stage 2 (the
-    decider imitates the oracle, everything else frozen); and, with `router`, the baseline a
-    skeptic names: stage 1 on a token-type router's depths, which it keeps at evaluation."""
+    """TaH's protocol (§4.3, §5) at tiny scale: a base model pretrained on the task; from it, on the
+    same batches: Standard (also the oracle's reference, as the paper's SFT model), AlwaysThink
+    (2 passes for every token), TaH stage 1 (oracle depths) and stage 2 (the decider alone); with
+    `router`, a token-type router's depths in stage 1 and at evaluation (a skeptic's baseline)."""
     stages = tah_stages(P, data)
     base = tah_base(P, run, seed, data, tah_config(P, data, n_layer or P.tah_layers), tag, stages)
     later = dict(first_batch=stages.base.steps)  # the fine-tunes: the batches after the base model's
@@ -312,8 +304,8 @@ def tah_protocol(P, run, seed, data, tag="tah", fx=TAH_FX, n_layer=None, router=
 
 
 def train_tah(name, model, oracle, data, stages, run, seed):
-    """TaH's two stages (§4.3) from the base, on the batches after the base model's: stage 1
-    (backbone and LoRA, the oracle's depths), then stage 2 (the decider alone)."""
+    """TaH's two stages (§4.3) from the base: stage 1 (backbone and LoRA, the oracle's depths),
+    then stage 2 (the decider alone)."""
     train(f"{name} stage 1", model, OracleLoss(oracle), data, stages.sft, run, seed, first_batch=stages.base.steps)
     model.requires_grad_(False).decider.requires_grad_(True)  # stage 2: only the decider learns
     train(f"{name} stage 2 (decider)", model, lambda m, x, y: m.stage2_loss(x, oracle(x, y))[0],
@@ -322,9 +314,8 @@ def train_tah(name, model, oracle, data, stages, run, seed):
 
 @dataclass
 class TaHTrained:
-    """What the TaH protocol hands its extra arms (ablations.py): the base every arm starts from,
-    the fine-tuned models ("standard", "always", "tah"[, "router"]), the oracle, the token-type
-    router (or None), the stages, and what evaluates a model as the protocol did."""
+    """What the TaH protocol hands its extra arms (ablations.py): the base, the fine-tuned models
+    by name, the oracle, the token-type router (or None), the stages, and `evaluate`."""
     tag: str
     base: ThinkAtHard
     models: dict
@@ -349,9 +340,8 @@ class OracleLoss:
 
 
 class Oracle:
-    """Oracle depths (TaH Eq. 7): a token is hard, 2 passes, iff the frozen reference's top-1
-    prediction is not the target and its input token is in the response (task.response, the
-    authors' rule); targets of -1 are easy."""
+    """Oracle depths (TaH Eq. 7): 2 passes iff the frozen reference's top-1 misses the target and
+    the input token is in the response (task.response, the authors' rule)."""
 
     def __init__(self, ref, max_depth, task):
         self.ref, self.max_depth, self.task = ref, max_depth, task
@@ -363,8 +353,7 @@ class Oracle:
 
 class TokenRouter:
     """A router that reads the token alone: 2 passes for every token of a kind that can need more
-    than one (task.sometimes_hard), 1 for the rest. It trains as TaH's stage 1 does, on its own
-    depths, and keeps them at evaluation; it has no decider to train."""
+    (task.sometimes_hard), in stage 1 and at evaluation; it has no decider."""
 
     def __init__(self, task):
         if not callable(getattr(task, "sometimes_hard", None)):
@@ -390,10 +379,9 @@ def eval_batches(data, stages, run):
 
 @torch.no_grad()
 def tah_eval(model, data, stages, run, mode, oracle, threshold=None, route=None):
-    """Held-out metrics of one routing mode (or "router": the oracle mode on route's depths) over
-    the answers (the targets): loss, accuracy, whole-problem exact match, tokens iterated and
-    passes per token (all positions), and per-token outcomes (for revision counts against
-    Standard); for the decider, how well it imitates the oracle."""
+    """Held-out metrics of one routing mode ("router": route's depths) over the answers: loss,
+    accuracy, whole-problem exact match, tokens iterated, passes per token, and per-token outcomes
+    (revisions against Standard); for the decider, how well it imitates the oracle."""
     model.eval()
     losses, ems, iterated, outcomes = [], [], [], {"ok": [], "first_ok": [], "hard": [], "went": []}
     for x, y in eval_batches(data, stages, run):
@@ -422,9 +410,8 @@ def tah_eval(model, data, stages, run, mode, oracle, threshold=None, route=None)
 
 
 def tah_routing_rows(fx, models, ev, seed):
-    """Held-out rows of a TaH suite: Standard, then each of TAH_ARMS with its revisions against
-    Standard (and, for the decider, the share of AlwaysThink's gain it gets), the diagnostics,
-    and the threshold sweep. ev(model, mode, threshold) -> tah_eval."""
+    """A TaH suite's rows: Standard, then each of TAH_ARMS with its revisions against Standard (the
+    decider also: its share of AlwaysThink's gain), the diagnostics, the threshold sweep."""
     r_std, o_std = ev(models["standard"], "standard")
     rows, sweep = result_rows(fx.routing, STANDARD, seed, r_std), {"standard": r_std}
     for arm, which, mode in [a for a in TAH_ARMS if a[1] in models]:
@@ -448,8 +435,7 @@ def tah_routing_rows(fx, models, ev, seed):
 
 
 def tah_diagnostics(fx, mode, o, seed):
-    """Oracle: where its gain comes from (pass 1 alone vs the sum). Decider: the fate of the
-    easy answers it sends on (overthinking)."""
+    """Oracle: pass 1 alone against the sum. Decider: the easy answers it sends on (overthinking)."""
     share = lambda m: m.float().mean().item() if m.numel() else float("nan")
     if mode == "oracle":
         h = o["hard"]
@@ -490,9 +476,8 @@ QUERIES, FIXES, SENT = Arm("queries", "every query token"), "corrected - corrupt
 
 @torch.no_grad()
 def tah_inside_rows(model, data, stages, run, seed, fx, threshold=None):
-    """For the tokens the decider sends on: their top-1 after the first pass and after the last,
-    against the next token, counted by query type (TaH Fig. 5), and the share of each type sent on;
-    with one query token per symbol (the hop count per problem), the share of all queries too."""
+    """The tokens the decider sends on: top-1 after the first and the last pass against the next
+    token, by query kind (TaH Fig. 5), and each kind's share sent on (per problem: all queries')."""
     model.eval()
     counts, totals, queries = {}, {}, [0, 0]  # queries: sent on, all
     for x, y in eval_batches(data, stages, run):
@@ -517,9 +502,8 @@ def tah_inside_rows(model, data, stages, run, seed, fx, threshold=None):
 
 
 def tah_problem(model, data, stages, run):
-    """The first held-out problem with a two-hop query, traced through the decider-routed model
-    (TaH Figs. 5 and 7), kept with the run: a markdown table of its tokens (tah_problem.md) and a
-    picture of its passes, scores and the second pass's duo-causal attention (tah_problem.png)."""
+    """The first held-out problem with a two-hop query through the decider (TaH Figs. 5, 7), kept
+    with the run as tah_problem.md (a row per token) and tah_problem.png."""
     x, _ = next(eval_batches(data, stages, run))
     L = data.problem_len
     problems = x[:, :x.size(1) // L * L].reshape(-1, L)

@@ -1,19 +1,11 @@
 """
 Looking inside trained models: the probes the two papers use to explain *why* their methods help.
 
-Hidden Decoding (arXiv 2607.08186, §5.2-5.3):
-  - stream_cosine: how alike the n streams of one token are at every layer, against the same
-    streams of different tokens (Fig. 6a);
-  - stream_mass: how much attention a final-stream query gives each stream's keys (Fig. 6b);
-  - head_probes: the shared LM head read off every stream; how often a stream's top-1 differs
-    from the final stream's, and each stream's entropy (Fig. 7).
-Think-at-Hard (arXiv 2511.08577, §5, Figs. 5 and 7):
-  - iteration_outcomes: for the tokens that go on, their top-1 before and after the next pass;
-  - recording_attention gives the duo-causal attention weights of a deeper query.
-
-Each probe runs on a model as it is, without training; train_tiny.py runs them on the models its
-HD and TaH suites have just trained. The attention weights are recomputed from each
-moe.Attention call's queries, keys and mask (moe.Attention.record) for the length of a `with` block.
+Hidden Decoding (§5.2-5.3): how alike a token's streams are at every layer (stream_cosine, Fig.
+6a), what a final-stream query reads of each stream (stream_mass, Fig. 6b), and the shared LM
+head read off every stream (head_probes, Fig. 7). Think-at-Hard (§5): what a second pass changes
+(iteration_outcomes, Fig. 5) and whom a deeper query attends to (tah_trace, Fig. 7). Attention
+weights are recomputed from each moe.Attention call (moe.Attention.record) inside a `with`.
 """
 
 import math
@@ -34,9 +26,8 @@ from tah import DepthKV
 
 
 def attention_weights(q, k, mask):
-    """softmax(q k^T / sqrt(hd)) under mask, as attend computes it: q (B, H, Tq, hd), k (B, Hkv,
-    Tk, hd) -> (B, H, Tq, Tk), float32. A query head h reads key head h // (H / Hkv) (GQA, as
-    SDPA's enable_gqa); a row that sees no key weighs every key 0."""
+    """softmax(q k^T / sqrt(hd)) under mask, as attend computes it, float32: q (B, H, Tq, hd), k
+    (B, Hkv, Tk, hd) -> (B, H, Tq, Tk); a row that sees no key weighs every key 0."""
     if isinstance(mask, BlockMask):
         raise ValueError("attention weights are read on the dense paths: give a boolean mask, not a BlockMask")
     k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
@@ -51,9 +42,7 @@ def attention_weights(q, k, mask):
 @contextmanager
 def recording_attention(model):
     """Inside the block, every attention call of `model` also appends its weights (B, H, Tq, Tk)
-    to the list it yields, in call order (moe.Attention.record calls attention_weights): one per
-    layer per pass (one per layer for HD's dense path; layer i of TaH's pass d is entry
-    d * n_layer + i). Only masks as tensors or "causal"."""
+    to the list it yields, in call order (TaH: layer i of pass d is entry d * n_layer + i)."""
     calls, layers = [], [m for m in model.modules() if isinstance(m, moe.Attention)]
     for a in layers:
         a.record = lambda q, k, mask: calls.append(attention_weights(q, k, mask))
@@ -69,9 +58,8 @@ def recording_attention(model):
 
 
 def reference_copy(model):
-    """The same HD model with every row carried through every layer (no KV-mirror skip) and
-    every layer on its dense mask: the same logits (test_hd.py), and every stream's state and
-    attention weights exist to be read."""
+    """The HD model without the KV-mirror skip and on dense masks: the same logits (test_hd.py),
+    with every stream's state and attention weights there to read."""
     ref = HiddenDecoding(replace(model.cfg, mirror_skip=False, attn_impl="dense"))
     ref.load_state_dict(model.state_dict())
     return ref.to(next(model.parameters()).device).eval()
@@ -79,9 +67,8 @@ def reference_copy(model):
 
 @torch.no_grad()
 def stream_states(model, idx):
-    """The residual state of every stream at every layer: (n_layer + 1, B, L, n, C), first the
-    input (each stream's own embedding), then each block's output. Also returns the attention
-    weights of every layer, (B, H, L*n, L*n) each."""
+    """Every stream's residual state at every layer, (n_layer + 1, B, L, n, C), and every layer's
+    attention weights (B, H, L*n, L*n)."""
     ref, n = reference_copy(model), model.cfg.n_streams
     states = [ref.embed(idx)]
     hooks = [b.register_forward_hook(lambda mod, args, out: states.append(out[0])) for b in ref.backbone.blocks]
@@ -96,9 +83,8 @@ def stream_states(model, idx):
 
 
 def stream_cosine(states):
-    """Per layer, (same, different): the mean cosine similarity of two streams a < b of the same
-    token, and of stream a of token i with stream b of another token (token i - L//2 of the same
-    row, mod L), over every pair of streams. states (layers, B, L, n, C); n >= 2, L >= 2."""
+    """Per layer, (same, different): the mean cosine of streams a < b of one token, and of stream a
+    of token i with stream b of token i - L//2 (mod L). states (layers, B, L, n, C)."""
     S = F.normalize(states.float(), dim=-1)
     other = S.roll(S.size(2) // 2, dims=2)
     pairs = [(a, b) for a in range(S.size(3)) for b in range(a + 1, S.size(3))]
@@ -108,9 +94,8 @@ def stream_cosine(states):
 
 
 def stream_mass(weights, n):
-    """weights (B, H, L*n, L*n) over the expanded rows t = i*n + k -> (n,): the attention mass a
-    final-stream query (k = n-1) gives the keys of each stream, mean over queries, heads and
-    batch (HD Fig. 6b). Sums to 1 where every query sees a key."""
+    """weights (B, H, L*n, L*n) -> (n,): the attention mass final-stream queries give each stream's
+    keys (HD Fig. 6b)."""
     final_queries = weights[:, :, n - 1::n]  # (B, H, L, L*n)
     return final_queries.unflatten(-1, (-1, n)).sum(-2).mean((0, 1, 2))
 
@@ -123,10 +108,8 @@ def entropy(logits):
 
 @torch.no_grad()
 def head_probes(model, last_states):
-    """The shared LM head (final norm, projection) applied to every stream's last state
-    (B, L, n, C) (HD Fig. 7). Returns per stream: how often its top-1 differs from the final
-    stream's, its mean entropy in bits (as the paper gives it), and the probabilities
-    (B, L, n, V)."""
+    """The shared LM head on every stream's last state (B, L, n, C) (HD Fig. 7): per stream, how
+    often its top-1 differs from the final stream's, its entropy in bits, and the probabilities."""
     logits = model.head(last_states).float()
     top1 = logits.argmax(-1)
     differs = (top1 != top1[..., -1:]).float().mean((0, 1))
@@ -136,10 +119,8 @@ def head_probes(model, last_states):
 
 @torch.no_grad()
 def stream_probes(model, xs, batch):
-    """Every probe above over the windows xs (N, L), `batch` at a time, as means over the
-    batches: (same, different) cosine per state, the final stream's attention mass on each
-    stream in every cross-stream layer (F and L; their indices as `cross`), and each stream's
-    top-1 disagreement and entropy. Returns cross, [same, different, mass, differs, bits]."""
+    """Every probe above over the windows xs, `batch` at a time: cross (the F and L layers), then
+    [same, different, mass, differs, bits], each a mean over the batches."""
     n, layout, device = model.cfg.n_streams, model.cfg.layout, next(model.parameters()).device
     cross = [l for l, kind in enumerate(layout) if kind in "FL"]
     parts = []
@@ -179,10 +160,8 @@ OUTCOMES = ("wrong -> right", "right -> wrong", "wrong -> wrong", "right -> righ
 
 
 def iteration_outcomes(before, after, target, went, kind):
-    """For the positions that went on (went, bool): counts of each outcome of their top-1
-    against the target, before the next pass (`before`) and after it (`after`), per value of
-    `kind` (e.g. a query's hop count). All arguments are tensors of one shape.
-    Returns {kind value: {outcome: count}}."""
+    """Per value of `kind`, for the positions that `went` on: counts of each outcome of their top-1
+    against the target, `before` and `after` the next pass."""
     out = {}
     for k in kind[went].unique().tolist():
         sel = went & (kind == k)
@@ -194,11 +173,9 @@ def iteration_outcomes(before, after, target, went, kind):
 
 @torch.no_grad()
 def tah_trace(model, idx, threshold=None):
-    """One decider-routed forward of idx (1, T), kept whole for drawing (TaH Figs. 5 and 7):
-    per token the passes it ran, the decider's probability of going on after its first pass,
-    its top-1 after the first pass and after the last; and the attention of the last layer in
-    the second pass (mean over heads): its queries (the tokens that went on) over the keys,
-    each key a (position, depth) state."""
+    """One decider-routed forward of idx (1, T) kept for drawing (TaH Figs. 5, 7): per token its
+    passes, p(go on) after pass 1, top-1 after the first and last pass; and the last layer's
+    second-pass attention (mean over heads) over every (position, depth) key."""
     cache = DepthKV(model.cfg.n_layer, 1, idx.device)
     with recording_attention(model) as calls:
         out = model(idx, mode="decider", cache=cache, threshold=threshold)

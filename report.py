@@ -1,12 +1,10 @@
 """
 The verdicts and the report of train_tiny.py, from result rows alone.
 
-A row is {effect, effect_id, paper, arm, arm_id, metric, seed, value}: an Effect and an Arm each
-have an identifier, which claims match on, and a label, which the tables show. A Claim says an
-arm differs from a baseline (another arm, or a target number) in one metric with the paper's
-sign; one rule (RULE) on the per-seed paired differences says "shown" or "not shown". The report is one markdown table per
-effect (mean ± std over seeds and the difference to the effect's first arm, paired by seed),
-and the verdicts; the figures are figures.py's.
+A row is {effect, effect_id, paper, arm, arm_id, metric, seed, value}; claims match on the ids,
+the tables show the labels. A Claim says an arm differs from a baseline (an arm, or a number)
+in one metric with the paper's sign; one rule (RULE) on the per-seed paired differences says
+"shown" or "not shown". The report: a markdown table per effect, then the verdicts.
 """
 
 import json
@@ -65,8 +63,7 @@ RULE = ("shown: over >= 2 seeds, the paired difference has the paper's sign in e
 
 
 def verdict(deltas, sign):
-    """The one rule (RULE) on per-seed paired differences arm - baseline (finite real numbers, one
-    per seed) and the paper's direction (+1 or -1). Under 2 seeds nothing is shown."""
+    """The rule (RULE) on per-seed paired differences and the paper's direction (+1 or -1)."""
     if type(sign) is not int or sign not in (1, -1):
         raise ValueError(f"sign must be the int +1 or -1 (the paper's direction), got {sign!r}")
     d = finite_reals(deltas, "deltas")
@@ -77,8 +74,7 @@ def verdict(deltas, sign):
 
 
 def finite_reals(values, name):
-    """values as a 1-D float array, or one line saying why they are not finite real numbers in one
-    dimension (a string, a bool, a nested list, nan or inf)."""
+    """values as a 1-D float array, or one line saying why they are not finite reals."""
     if isinstance(values, np.ndarray):
         ok = values.ndim == 1 and values.dtype.kind in "fiu"
     else:
@@ -98,8 +94,7 @@ T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
 
 
 def interval95(deltas):
-    """The 95% confidence interval of the mean paired difference (Student's t, n - 1 degrees of
-    freedom; 1.96 beyond 30), or None under 2 seeds. Beside the rule, not part of it."""
+    """The 95% interval of the mean paired difference (Student's t), or None under 2 seeds."""
     d = np.asarray(deltas, dtype=float)
     if len(d) < 2 or not np.all(np.isfinite(d)):
         return None
@@ -113,12 +108,10 @@ def t_interval(mean, std, n):
 
 
 def pooled(runs):
-    """A claim over a grid of cells, from its runs: runs = [(machine, seed, delta)], every cell's
-    per-seed paired differences. One value per (machine, seed): a run that repeats another to
-    the last digit (TaH at 1 and 2 threads) is counted once, and different runs of one
-    (machine, seed) (HD at another thread count) are averaged first, since they share the
-    seed's initialization and batches. Returns N (the (machine, seed)s), the mean, the std and
-    the 95% interval (t, N - 1 degrees of freedom)."""
+    """A claim pooled over a grid of cells: runs = [(machine, seed, delta)]. One value per (machine,
+    seed): a run repeating another to the last digit counts once, different runs of one (machine,
+    seed) (another thread count: the same init and batches) are averaged. Returns n, mean, std and
+    the 95% interval (t, n - 1 degrees of freedom)."""
     if not runs:
         raise ValueError("pooled needs at least one (machine, seed, delta) run: the pool is empty")
     units = {}
@@ -151,8 +144,7 @@ def claim_deltas(rows, claim):
 
 
 def judge(rows, claims):
-    """Every claim whose effect has rows (its suite ran), by the rule. A claim whose effect ran
-    but whose arms have no rows is a bug (an arm renamed on one side): an error, not a skip."""
+    """Every claim whose suite ran, by the rule; a claim whose arms have no rows is an error (a bug)."""
     out, ran = [], {r["effect_id"] for r in rows}
     for c in claims:
         if c.effect.id not in ran:
@@ -173,9 +165,8 @@ def judge(rows, claims):
 
 
 def summarize(rows):
-    """Group rows into (effect, arm, metric) -> mean, std over seeds, and the difference to the
-    effect's first arm paired by seed (same seed = same init and batches, so the pairing
-    removes most of the seed-to-seed spread)."""
+    """(effect, arm, metric) -> mean and std over seeds, and the difference to the effect's first
+    arm paired by seed (same seed: same init and batches, so most of the spread cancels)."""
     groups, first_arm, paper = {}, {}, {}
     for r in rows:
         groups.setdefault((r["effect"], r["arm"], r["metric"]), {})[r["seed"]] = r["value"]
@@ -198,9 +189,7 @@ def summarize(rows):
 
 
 def finite(values):
-    """The finite values: a metric that has no value in a seed (a share of a gain that seed does not
-    have, a rate over no tokens) is nan there, and the summary is over the other seeds (the table
-    says how many)."""
+    """The finite values: a metric with no value in a seed is nan there, left out (the table says)."""
     v = np.array(list(values), dtype=float)
     return v[np.isfinite(v)]
 
@@ -213,8 +202,7 @@ def mean_std(v):
 
 
 def is_count(metric):
-    """Metrics that count tokens (revisions against Standard, a pass's outcomes) print as whole
-    numbers, without a difference to the first arm."""
+    """Metrics that count tokens print as whole numbers, without a difference to the first arm."""
     return "vs Standard" in metric or "->" in metric or metric == "corrected - corrupted"
 
 
@@ -223,8 +211,8 @@ def fmt(metric, x):
 
 
 def table(summary, verdicts, header):
-    """One small table per effect (arms x metrics: mean ± std over seeds, and the difference to
-    the effect's first arm paired by seed), then the verdicts."""
+    """One table per effect (mean ± std over seeds, the paired difference to its first arm), then
+    the verdicts."""
     lines = [header]
     effects = dict.fromkeys(s["effect"] for s in summary)
     for effect in effects:
@@ -276,8 +264,8 @@ def cell(text):
 
 
 def trace_table(trace, names, describe):
-    """One TaH forward (inside.tah_trace) as a markdown table, a row per token: its passes, the
-    decider's p(go on) after the first pass, its top-1 after the first pass and after the last."""
+    """One TaH forward (inside.tah_trace), a row per token: passes, p(go on), top-1 after pass 1
+    and after the last."""
     lines = ["| position | token | next | passes | p(go on) after pass 1 | top-1 after pass 1 | top-1 after the last |",
              "|---|---|---|---|---|---|---|"]
     for i, name in enumerate(names):
@@ -292,10 +280,9 @@ def trace_table(trace, names, describe):
 
 
 def write_report(rows, claims, header, run, out, meta, inside, brief=False):
-    """<out>/results.md and results.json (`meta`, then the rule, summary and verdicts) from the
-    rows alone, judged by every claim whose effect has rows, with the first seed's analyses kept
-    in <run>/inside (`inside`: file -> title). Prints the tables (brief: one line). Returns the
-    summary, which the figures read."""
+    """<out>/results.md and results.json (meta, the rule, summary, verdicts) from the rows alone,
+    with the first seed's analyses (`inside`: file -> title); prints the tables (brief: one line).
+    Returns the summary, which the figures read."""
     summary, verdicts = summarize(rows), judge(rows, claims)
     kept = [(f, title) for f, title in inside.items() if (run.run_dir / "inside" / f).exists()]
     md = table(summary, verdicts, header) + "".join(

