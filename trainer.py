@@ -188,7 +188,8 @@ def batch_piece(j, pieces, batch):
 def sum_over_ranks(params, total, dev):
     """Gradients and the loss summed over ranks by hand: with routing (MoE, TaH) the parameters
     that get a gradient can differ between ranks, which DDP's hooks do not allow. A parameter no
-    rank has a gradient for keeps none, as in one process."""
+    rank has a gradient for keeps none, as in one process (a zero would still move it through
+    weight decay)."""
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=dev)
     dist.all_reduce(has, op=dist.ReduceOp.MAX)
     for p, any_rank in zip(params, has.tolist()):
