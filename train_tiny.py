@@ -131,7 +131,7 @@ def train_seed(suite, P, run, seed, data):
     """One (suite, seed)'s result rows: every arm trained on the seed's batches and evaluated on
     the held-out set; with --suite all, then the extra arms (ablations.py) from what it trained."""
     extra = None
-    if suite == "hd":  # HD: n = 1, 2, 4 continued from one n = 1 checkpoint
+    if suite == "hd":  # HD: each n of --hd_ns (1, 2, 4) continued from one n = 1 checkpoint
         rows, trained = hl.hd_protocol(P, run, seed, data)
         extra = ab.hd_ablations
     elif suite == "tah":  # TaH: Standard, AlwaysThink, TaH (oracle, decider) on in-context lookups
