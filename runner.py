@@ -95,69 +95,50 @@ def log(*a):
 # The command line
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Each flag's default, once; a help text that says its own default is left as it is."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text or action.default in (None, argparse.SUPPRESS) or action.nargs == 0:
-            return text
-        return f"{text} (default: {action.default})"
-
-
-def flag(ap, name, **kw):
-    """One option under both spellings, --a_b and --a-b."""
-    return ap.add_argument(*dict.fromkeys((f"--{name}", f"--{name.replace('_', '-')}")), **kw)
-
-
 def flag_form(value):
     """A preset value as the flag takes it: a tuple as a comma list (empty: '')."""
     return (",".join(map(str, value)) or "''") if isinstance(value, tuple) else str(value)
 
 
 def parser(doc, presets, suites, headline):
-    ap = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
-    flag(ap, "suite", default="headline", metavar="{headline,all," + ",".join(headline) + ",...}",
-         help=f"headline: {' and '.join(headline)}; all: every suite with every ablation arm; or a comma list of "
-              + ",".join(suites))
-    flag(ap, "preset", choices=sorted(presets),
-         help="the budget: default (when not given) is the measured protocol, on any device; large is wider and "
-              "longer, for a GPU, and not yet measured%(default).0s")
-    flag(ap, "smoke", action="store_true", help="every suite's code path, tiny and fast (its own preset)")
-    flag(ap, "rehearse", action="store_true",
-         help="the large preset's every arm at its full shapes, 2 steps each, here (bf16 autocast on CPU): "
-              "parameter counts, activation memory, and any error a GPU run would meet early")
-    flag(ap, "data", help="train the text suites on this UTF-8 text file instead of Shakespeare")
-    flag(ap, "accum", type=int, default=1, help="gradient accumulation micro-steps")
-    flag(ap, "muon", action="store_true", help="Muon for 2-D weights in the blocks, AdamW for the rest")
-    flag(ap, "compile", action=argparse.BooleanOptionalAction, default=False,
-         help="torch.compile the training steps (the backbone and HD whole, TaH per pass): off by default on every "
-              "device, since a default run's 11 graphs cost more to compile than they save (RESULTS, 'Compile')")
-    flag(ap, "out", default="out", help="folder for results, checkpoints and the token cache")
-    flag(ap, "log_every", type=int, default=50, help="steps between log lines")
-    flag(ap, "ckpt_every", type=int, default=50, help="steps between checkpoints")
-    flag(ap, "device", default="cuda" if torch.cuda.is_available() else "cpu",
-         help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
-    flag(ap, "threads", type=int, default=1,
-         help="CPU threads per process (float sums, and so the last digits, depend on it; the README's runs "
-              "used 1)")
-    flag(ap, "jobs", type=int,
-         help="(suite, seed)s trained at once, each in a process of its own; the numbers do not depend on it "
-              "(default: the usable cores // --threads, on a CPU and on one GPU, whose launch-bound tiny steps leave "
-              "it idle otherwise; under torchrun 1)")
-    flag(ap, "seed0", type=int, default=0, help="the first seed: a run trains seeds seed0 .. seed0 + seeds - 1")
-    flag(ap, "fresh", action="store_true",
-         help="delete this configuration's checkpoints and finished rows first, and train everything again")
-    flag(ap, "dev", action="store_true", help="evaluate on the dev set instead of the held-out set: for trying things out")
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    arg = ap.add_argument
+    arg("--suite", default="headline", metavar="{headline,all," + ",".join(headline) + ",...}",
+        help=f"headline: {' and '.join(headline)}; all: every suite with every ablation arm; or a comma list of "
+             + ",".join(suites))
+    arg("--preset", choices=sorted(presets), help="the budget: default (when not given) is the measured protocol, "
+        "on any device; large is wider and longer, for a GPU, and not yet measured")
+    arg("--smoke", action="store_true", help="every suite's code path, tiny and fast (its own preset)")
+    arg("--data", help="train the text suites on this UTF-8 text file instead of Shakespeare")
+    arg("--accum", type=int, default=1, help="gradient accumulation micro-steps (default: 1)")
+    arg("--muon", action="store_true", help="Muon for 2-D weights in the blocks, AdamW for the rest")
+    arg("--compile", action=argparse.BooleanOptionalAction, default=False,
+        help="torch.compile the training steps (the backbone and HD whole, TaH per pass): off by default on every "
+             "device, since a default run's 11 graphs cost more to compile than they save (RESULTS, 'Compile')")
+    arg("--out", default="out", help="folder for results, checkpoints and the token cache (default: out)")
+    arg("--log_every", type=int, default=50, help="steps between log lines (default: 50)")
+    arg("--ckpt_every", type=int, default=50, help="steps between checkpoints (default: 50)")
+    arg("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
+    arg("--threads", type=int, default=1, help="CPU threads per process (float sums, and so the last digits, "
+        "depend on it; the README's runs used 1) (default: 1)")
+    arg("--jobs", type=int,
+        help="(suite, seed)s trained at once, each in a process of its own; the numbers do not depend on it "
+             "(default: the usable cores // --threads, on a CPU and on one GPU, whose launch-bound tiny steps leave "
+             "it idle otherwise; under torchrun 1)")
+    arg("--seed0", type=int, default=0, help="the first seed: a run trains seeds seed0 .. seed0 + seeds - 1 (default: 0)")
+    arg("--fresh", action="store_true",
+        help="delete this configuration's checkpoints and finished rows first, and train everything again")
+    arg("--dev", action="store_true", help="evaluate on the dev set instead of the held-out set: for trying things out")
     group = ap.add_argument_group("preset overrides (default: the preset's value): the budget, nanoGPT style "
                                   "(--n_layer=4, --plays=macbeth,hamlet)")
     for f in fields(presets["default"]):
         kind, one = type(f.default), type(f.default[0]) if isinstance(f.default, tuple) else None
         values = ", ".join(f"{k} {flag_form(getattr(p, f.name))}" for k, p in presets.items())
         what = f.metadata.get("help")
-        flag(group, f.name, type=(lambda v, one=one: tuple(one(x) for x in v.split(",") if x)) if one else kind,
-             default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
-             help=f"{what}; preset {values}" if what else f"preset {values}")
+        group.add_argument(f"--{f.name}", type=(lambda v, one=one: tuple(one(x) for x in v.split(",") if x)) if one
+                           else kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+                           help=f"{what}; preset {values}" if what else f"preset {values}")
     return ap
 
 
@@ -173,8 +154,6 @@ def check_flags(a, names, suites, text_suites):
         return f"--suite {a.suite} names a suite twice"
     if a.smoke and a.preset:
         return "--smoke is its own preset; give --smoke or --preset, not both"
-    if a.rehearse and (a.smoke or a.preset or a.suite != "headline"):
-        return "--rehearse runs every suite of the large preset; give it without --smoke, --preset or --suite"
     if not a.out.strip() or not is_utf8(a.out) or (a.data and not is_utf8(a.data)):
         return "--out must name a folder, and --out and --data must be UTF-8 paths"
     if a.data and not set(names) & set(text_suites):
@@ -241,22 +220,18 @@ class Session:
             a.suite, a.suite.split(","))  # --smoke: every code path
         if problem := check_flags(a, names, suites, text_suites):
             ap.error(problem)
-        self.preset_name, out = "smoke" if a.smoke else a.preset or "default", a.out
+        self.preset_name = "smoke" if a.smoke else a.preset or "default"
         P = presets[self.preset_name]
-        if a.rehearse:  # the large shapes, every arm, 2 steps each, one seed, one evaluation batch
-            self.preset_name, names, out = "large (rehearsal)", list(suites), a.out if a.out != "out" else "out-rehearsal"
-            P = replace(presets["large"], iters=2, hd_base_iters=2, hd_cont_iters=2, tah_base_iters=2, tah_sft_iters=2,
-                        decider_iters=2, warmup=1, tah_eval_batches=1, seeds=1)
         self.P = replace(P, **{f.name: getattr(a, f.name) for f in fields(P) if hasattr(a, f.name)})
         if problem := check(self.P, a.device, names, WORLD, a.accum):
             ap.error(problem)
         self.suites, self.seeds, self.out, self.data, self.device = names, range(a.seed0, a.seed0 + self.P.seeds), \
-            Path(out), a.data, a.device
-        self.every_arm, self.smoke, self.fresh = a.suite == "all" or a.smoke or a.rehearse, a.smoke, a.fresh
+            Path(a.out), a.data, a.device
+        self.every_arm, self.smoke, self.fresh = a.suite == "all" or a.smoke, a.smoke, a.fresh
         self.jobs = a.jobs or (1 if DDP else max(1, usable_cores() // a.threads))  # one GPU too: processes share it
         self.threads, self.order, self.world, self.master = a.threads, list(suites), WORLD, MASTER
         self.run = Run(Path(), None, a.device, self.seeds, *(("dev", 104729) if a.dev else ("val", 7919)),
-                       self.every_arm, a.muon, a.accum, a.compile, a.rehearse, a.log_every, a.ckpt_every)
+                       self.every_arm, a.muon, a.accum, a.compile, a.log_every, a.ckpt_every)
         launch = f"torchrun --nproc_per_node={WORLD} train_tiny.py" if DDP else "python train_tiny.py"
         self.command = " ".join([launch] + (sys.argv[1:] if argv is None else argv))
         self.machine = (torch.cuda.get_device_name() if a.device.startswith("cuda") else
@@ -286,7 +261,7 @@ class Session:
         data = hashlib.sha256(Path(self.data).read_bytes()).hexdigest() if self.data else None
         r = self.run
         key = hashlib.sha256(json.dumps([asdict(self.P), r.muon, r.accum, r.device, self.threads, r.eval_split, data,
-                                         code, r.every_arm, r.compile, r.rehearse, r.seeds.start, WORLD]).encode())
+                                         code, r.every_arm, r.compile, r.seeds.start, WORLD]).encode())
         run_dir = self.out / f"run-{key.hexdigest()[:10]}"
         if self.fresh and MASTER and run_dir.exists():
             shutil.rmtree(run_dir)

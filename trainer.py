@@ -38,7 +38,6 @@ class Run:
     muon: bool = False
     accum: int = 1  # gradient accumulation micro-steps
     compile: bool = False
-    rehearse: bool = False  # bf16 autocast on CPU, and the activation memory measured
     log_every: int = 50
     ckpt_every: int = 50
 
@@ -119,7 +118,7 @@ def train(name, model, loss_fn, data, stage, run, seed, on_step=None, first_batc
         if it > start and it % run.ckpt_every == 0:  # the state after `it` steps
             checkpoint(ckpt, name, seed, it, model, opts, losses, meta)
         x, y = data.batch("train", stage.batch, stage.block, batch_gen(seed, first_batch + it, "train"))
-        losses.append(step(x, y, rehearsing=it == start))  # forward and backward, summed over ranks
+        losses.append(step(x, y))  # forward and backward, summed over ranks
         torch.nn.utils.clip_grad_norm_(step.params, 1.0)
         for o in opts:
             o.step()
@@ -143,7 +142,7 @@ class MicroSteps:
     batch's mean loss at any world size. Returns the step's loss."""
 
     def __init__(self, name, model, loss_fn, stage, run, seed):
-        self.name, self.model, self.loss_fn, self.stage, self.run, self.seed = name, model, loss_fn, stage, run, seed
+        self.name, self.loss_fn, self.stage, self.run, self.seed = name, loss_fn, stage, run, seed
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.trains_backbone = any(p.requires_grad for p in backbone_of(model).parameters())
         self.rank, self.world = rank_world()
@@ -151,11 +150,11 @@ class MicroSteps:
             raise SystemExit(f"error: batch {stage.batch} has fewer rows than {self.world} ranks x {run.accum} "
                              f"micro-steps")
         self.autocast = (torch.autocast("cuda", torch.bfloat16) if run.device.startswith("cuda") else
-                         torch.autocast("cpu", torch.bfloat16) if run.rehearse else contextlib.nullcontext())
+                         contextlib.nullcontext())
         self.fwd_model = compiled(model) if run.compile else model  # shares the weights
 
-    def __call__(self, x, y, rehearsing):
-        total = sum(self.micro_step(x, y, m, rehearsing and m == 0) for m in range(self.run.accum))
+    def __call__(self, x, y):
+        total = sum(self.micro_step(x, y, m) for m in range(self.run.accum))
         return sum_over_ranks(self.params, total, self.run.device) if self.world > 1 else total
 
     def check_finite(self, loss, it):
@@ -163,19 +162,13 @@ class MicroSteps:
             raise SystemExit(f"error: [{self.name} s{self.seed}] loss is {loss} at step {it + 1}; nothing after it "
                              f"is reported (try a lower lr)")
 
-    def micro_step(self, x, y, m, measure):
-        """Forward and backward of this rank's rows of micro-step m (a rehearsal measures the first)."""
+    def micro_step(self, x, y, m):
+        """Forward and backward of this rank's rows of micro-step m."""
         B, dev, pieces = self.stage.batch, self.run.device, self.world * self.run.accum
         lo, hi = batch_piece(m * self.world + self.rank, pieces, B)  # this rank's rows of the global batch
-        saved = {}  # storage -> bytes of what autograd keeps for backward (measured in a rehearsal)
-        with self.autocast, counting_saved(saved) if self.run.rehearse and measure else contextlib.nullcontext():
+        with self.autocast:
             loss = self.loss_fn(self.fwd_model, x[lo:hi].to(dev), y[lo:hi].to(dev))
             loss = loss / (B / (hi - lo))  # its share of the batch: / accum x world for an even cut
-        if saved:
-            n_all, n_trained = (sum(p.numel() for p in ps) / 1e6 for ps in (self.model.parameters(), self.params))
-            log(f"[{self.name} s{self.seed}] rehearsal: {n_all:.2f}M parameters ({n_trained:.2f}M trained); "
-                f"~{sum(saved.values()) / 2**20:.0f} MiB of activations kept for backward per micro-batch of "
-                f"{hi - lo} x {self.stage.block} tokens (bf16)")
         loss.backward()
         return loss.item()
 
@@ -218,18 +211,6 @@ def checkpoint(ckpt, name, seed, done, model, opts, losses, meta):
                          f"of this arm is saved or reported (try a lower lr)")
     if rank_world()[0] == 0:
         save(ckpt, model, opts, done, losses, meta)
-
-
-@contextlib.contextmanager
-def counting_saved(saved):
-    """The storages autograd keeps for backward, parameters excluded: a rehearsal's activation memory."""
-    def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
-            storage = t.untyped_storage()
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield
 
 
 def file_name(arm):
