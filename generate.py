@@ -452,9 +452,9 @@ def tah_decode(model, idx, max_new_tokens, temperature, sample_top_k, generator,
 
 if __name__ == "__main__":
     demo_args(__doc__)
-    from hd import HDConfig, HiddenDecoding
-    from moe import ModelConfig, Transformer
-    from tah import TaHConfig, ThinkAtHard
+    from hd import HDConfig
+    from moe import ModelConfig
+    from tah import TaHConfig
 
     torch.manual_seed(0)
     prompt = torch.randint(128, (1, 8))

@@ -39,7 +39,6 @@ def test_the_readme_is_short_and_names_no_commit():
 
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
-import torch  # noqa: E402
 
 from checks import parameters  # noqa: E402
 from hd import HiddenDecoding, expand_streams  # noqa: E402
