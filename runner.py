@@ -276,7 +276,9 @@ class Session:
         self.parallel = self.jobs > 1 and len(self.todo) > 1
         self.t0 = time.time()
         if self.parallel:
-            log(f"{len(self.todo)} (suite, seed)s in {self.jobs} processes at a time, {self.threads} thread(s) each")
+            log(f"{len(self.todo)} (suite, seed)s in {self.jobs} processes at a time, {self.threads} thread(s) each"
+                + ("; all at once, so the run's time left comes with the first to finish (till then, each step line "
+                   "gives its stage's)" if self.jobs >= len(self.todo) else ""))
             self.results = multiprocessing.get_context("spawn").Queue()
 
     def train(self, work, suite, seed, data):

@@ -470,6 +470,17 @@ def sessions_script(argv, data="None"):
             f"t.train_all({argv!r}, t.sleeps, {data})\n")
 
 
+def test_a_run_with_every_suite_seed_at_once_says_when_its_time_left_comes(tmp_path, capsys):
+    """Nothing finishes before the end when every (suite, seed) runs at once: the first line says
+    so, and only then."""
+    for jobs, seeds, at_once in (("2", "2", True), ("2", "3", False)):
+        with session(["--smoke", "--suite", "moe", "--seeds", seeds, "--jobs", jobs, "--out", str(tmp_path / seeds)]):
+            pass
+        said = capsys.readouterr().out
+        assert f"{seeds} (suite, seed)s in 2 processes at a time" in said
+        assert ("all at once, so the run's time left comes with the first to finish" in said) == at_once, said
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_jobs_processes_end_when_their_parent_is_killed(tmp_path):
     """kill -9 of the parent leaves no process training on unseen (each watches its parent)."""
