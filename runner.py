@@ -120,8 +120,8 @@ def parser(doc, presets, suites, headline):
     arg("--ckpt_every", type=int, default=50, help="steps between checkpoints (default: 50)")
     arg("--device", default="cuda" if torch.cuda.is_available() else "cpu",
         help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
-    arg("--threads", type=int, default=1, help="CPU threads per process (float sums, and so the last digits, "
-        "depend on it; the README's runs used 1) (default: 1)")
+    arg("--threads", type=int, default=1, help="CPU threads per process (default: 1); float sums, and so the "
+        "last digits, depend on it (the README's runs used 1)")
     arg("--jobs", type=int,
         help="(suite, seed)s trained at once, each in a process of its own; the numbers do not depend on it "
              "(default: the usable cores // --threads, on a CPU and on one GPU, whose launch-bound tiny steps leave "
