@@ -528,6 +528,34 @@ def test_ctrl_c_during_start_up_prints_one_line_and_exits_130(after, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+STARTUP_INTERRUPT = """
+import runpy, signal, sys
+module = sys.argv.pop(1)
+class Interrupt:  # a meta-path finder: Ctrl-C the moment the named module is looked for
+    def find_spec(self, name, path=None, target=None):
+        if name == module:
+            signal.raise_signal(signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+sys.argv[0] = "train_tiny.py"
+runpy.run_path("train_tiny.py", run_name="__main__")
+print("ran on past", module)
+"""
+
+
+@pytest.mark.parametrize("module", ["numpy._core._exceptions", "numpy.exceptions", "numpy._core._multiarray_umath",
+                                    "torch._C", "torch.nn.functional", "hd"])
+def test_ctrl_c_inside_an_import_during_start_up_ends_the_process(module, tmp_path):
+    """SIGINT while torch, numpy or the project is being imported, at named moments (torch imports
+    numpy from C and drops the error an exception would be there; numpy cannot import its
+    extension twice): exit 130, the one line, nothing run or written."""
+    run = subprocess.run([sys.executable, "-c", STARTUP_INTERRUPT, module, "--smoke", "--out", str(tmp_path / "out")],
+                         cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 130, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines() == ["interrupted during start-up: nothing was run or written"], run.stderr
+    assert "ran on past" not in run.stdout and not (tmp_path / "out").exists()
+
+
 def test_jobs_default_to_the_cores_per_thread_and_refuse_torchrun(monkeypatch, capsys):
     monkeypatch.setattr(runner, "usable_cores", lambda: 4)
     assert session(["--smoke"]).jobs == 4

@@ -13,12 +13,20 @@ report written to <out>/results.md and results.json (report.py, figures.py). The
 the --jobs processes, torchrun, resuming and Ctrl-C sit behind runner.Session.
 """
 
+import os
 import signal
-import sys
+
+
+def interrupted_during_start_up(sig, frame):
+    """Ctrl-C before the run opens its folder: nothing is written yet, so the process ends here
+    and now. An exception raised instead could land inside an import (torch's, numpy's), where the
+    import machinery may lose it, or turn it into another error, and the run would go on."""
+    os.write(2, b"interrupted during start-up: nothing was run or written\n")
+    os._exit(130)
+
 
 if __name__ == "__main__":  # Ctrl-C while torch imports: one line and 130, as at every later moment
-    signal.signal(signal.SIGINT, lambda sig, frame: sys.exit(print("interrupted during start-up: nothing was "
-                                                                    "run or written", file=sys.stderr) or 130))
+    signal.signal(signal.SIGINT, interrupted_during_start_up)
 
 import math
 import shutil
