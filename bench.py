@@ -34,11 +34,16 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.utils._python_dispatch import TorchDispatchMode
+
 
 from generate import TaHCache, compiled_step, generate_tah, graphed_step, lora_merged, make_caches
 from hd import HDConfig, HiddenDecoding, fold, full, intra, local, unfold
 from moe import GATHER_ROWS, MoE, ModelConfig, attend, attend_folded, dense_mask
 from tah import LoRALinear, TaHConfig, ThinkAtHard
+
+
+MAX_REPEATS = 1000  # --repeats: timed repeats per arm
 
 
 @contextlib.contextmanager
@@ -757,8 +762,7 @@ def compiled_training(L, ns, device, repeats, B=4, width=64, layout="IIFLII"):
          f"L={L} x B={B}", rows, ["n", "compile time (s)", "eager (ms)", "compiled (ms)", "compiled / eager"])
 
 
-def cuda_section(L, repeats):
-    compiled_against_eager(512, repeats, steps=20)  # most wanted first: gpu_check.sh's limit may cut the rest
+def cuda_attention(L, repeats):
     B, H, D = 4, 8, 64
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flex = torch.compile(flex_attention, dynamic=False)
@@ -812,17 +816,17 @@ def progression_batch(i, B, L, V, device):
     return idx[:, :-1], idx[:, 1:]
 
 
-def compiled_against_eager(width, repeats, device="cuda", steps=30, B=8, L=256, n=4, seeds=(0, 1, 2), tol=1e-3):
-    """6b. The --compile training step (torch.compile fullgraph, moe_dispatch "auto", AdamW, the
-    router-bias update) against eager, from the same weights on the same batches, so that a bug can
-    be told from rounding: (i) one step in float32: the loss and every gradient, which must agree
+def compiled_against_eager(width, repeats, device="cuda", steps=30, B=8, L=256, n=4, seeds=range(5), tol=1e-3):
+    """6b. The --compile training step (torch.compile fullgraph, AdamW, the router-bias update)
+    against eager, both on the MoE dispatch a compiled step takes ("masked": the same algorithm on
+    either side), from the same weights on the same batches, so that a bug can be told from rounding: (i) one step in float32: the loss and every gradient, which must agree
     within float32's tolerance (`tol`, relative to the largest gradient); (ii) `steps` float32
     steps: how far the losses drift; (iii) bf16 autocast (a CUDA run's precision) over several
     seeds: each seed's mean difference of the losses. Rounding moves the seeds each its own way;
     a bug moves them all one way (the verdict rule: one sign in every seed, |mean| > 2 std, and beyond
     float32's `tol`, so that equal runs are no bug)."""
     cfg = hd_cfg(n, "IIFLII", L, n_embd=width, n_head=8, n_kv_head=2, head_dim=max(16, width // 8),
-                 expert_hidden=width)
+                 expert_hidden=width, moe_dispatch="masked")
     dev = torch.device(device)
 
     def run(seed, compiled, n_steps, dtype):
@@ -851,7 +855,7 @@ def compiled_against_eager(width, repeats, device="cuda", steps=30, B=8, L=256, 
     (le, ge, _), (lc, gc, _) = (run(seeds[0], c, 1, torch.float32) for c in (False, True))
     worst = max(((gc[k] - ge[k]).abs().max() / ge[k].abs().max().clamp_min(1e-12)).item() for k in ge)
     one = worst <= tol and abs(lc[0] - le[0]) <= tol * abs(le[0])
-    print(f"\n6b. The --compile training step (fullgraph, dispatch auto, AdamW) vs eager, HD n={n}, width {width}, "
+    print(f"\n6b. The --compile training step (fullgraph, dispatch masked, AdamW) vs eager, HD n={n}, width {width}, "
           f"L={L} x B={B}, from the same weights on the same batches\n(i) one step, float32: loss {le[0]:.6f} vs "
           f"{lc[0]:.6f}, largest gradient difference {worst:.1e} of its tensor's largest -> "
           f"{'agree' if one else 'DISAGREE'} (within {tol:g})")
@@ -874,61 +878,146 @@ def compiled_against_eager(width, repeats, device="cuda", steps=30, B=8, L=256, 
           f"{'one way in every seed: a bug' if one_way else 'no common direction: rounding'}")
 
 
+class OpCount(TorchDispatchMode):
+    """The aten ops a call runs (the CPU's proxy for a GPU's kernel launches), and how many of them
+    wait for the device to hand the host a value (.item(), nonzero, a boolean-mask index)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.syncs = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        bool_index = func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+        self.syncs += func.overloadpacket.__name__ in ("_local_scalar_dense", "nonzero") or bool_index
+        return func(*args, **(kwargs or {}))
+
+
+def counted(fn):
+    with OpCount() as c:
+        fn()
+    return c
+
+
+def op_counts(device, quick=False):
+    """8. Aten ops per training step (forward and backward) and per decode step (one token after a
+    16-token prompt, cached) at the default preset's shapes: HD n = 1 and 4 (layout IIFLII, width 64,
+    batch 8 x 64 tokens) and TaH on lookups (one dense layer, batch 32 x 48, ~30% of tokens two
+    passes; decoding under its decider, every token sent on); the ops that wait on the device,
+    counted apart."""
+    torch.manual_seed(0)
+    B, L = (2, 16) if quick else (8, 64)
+    hd_models = {n: HiddenDecoding(hd_cfg(n, "IIFLII", max(L, 32), window=16)).to(device) for n in (1, 4)}
+    tah = ThinkAtHard(TaHConfig(vocab_size=24, block_size=max(L, 32), n_layer=1, n_embd=64, n_head=12, n_kv_head=2, head_dim=16,
+                                n_experts=0, ffn_hidden=48, logit_topk=24, max_depth=2, kv_mirror=False,
+                                threshold=0.01)).to(device)
+    idx = torch.randint(24, (B, L + 1), device=device)
+    depths = 1 + (torch.rand(B, L, device=device) < 0.3).long()
+
+    def decode(model, tah_model=False):
+        def run():
+            with torch.no_grad():
+                if tah_model:
+                    cache = TaHCache(model, 1, device)
+                    model(idx[:1, :16], mode="decider", cache=cache)
+                    return lambda: model(idx[:1, 16:17], mode="decider", cache=cache)
+                caches = make_caches(model)
+                model(idx[:1, :16], caches=caches)
+                return lambda: model(idx[:1, 16:17], caches=caches)
+        return run
+
+    cases = [(f"HD n={n}", train_step(m, idx), decode(m)) for n, m in hd_models.items()]
+    cases.append(("TaH", tah_train(tah, idx, depths), decode(tah, tah_model=True)))
+    rows = []
+    for name, train, dec in cases:
+        step = dec()  # the prompt outside the count
+        t, d = counted(train), counted(lambda: torch.no_grad()(step)())
+        rows.append([name, t.ops, t.syncs, d.ops, d.syncs])
+    show(f"8. Aten ops per step (a dispatch-mode count: the CPU's proxy for kernel launches), batch {B} x {L} "
+         "training, one decode token after a 16-token prompt", rows,
+         ["model", "training ops", "of which wait on the device", "decode ops", "of which wait on the device"])
+
+
+def section_table(mode, q, device, rep):
+    """Every section a mode runs, id -> its call, in the order it prints them: a plain run's (any
+    device; on CUDA 6a and 6b too), --compile's, or --cuda's (the sections only a GPU answers, most
+    wanted first, so that a time limit cuts the least wanted)."""
+    if mode == "compile":
+        layout = "IL" if q else "IIFLII"
+        return {
+            "4g": lambda: compiled_decode([(1, 64), (16, 512)] if not q else [(1, 8)], device, rep, steps=4 if q else 32,
+                                          layout=layout),
+            "4i": lambda: compiled_training(16 if q else 128, [4] if q else [1, 4], device, rep, layout=layout),
+            "4j": lambda: compiled_tah(8 if q else 64, device, rep, steps=4 if q else 32, n_layer=1 if q else 6,
+                                       modes=("decider",) if q else ("always", "decider"))}
+    if mode == "cuda":
+        return {
+            "4k": lambda: graphed_decode(device, rep),  # seconds: no compile
+            "4l": lambda: graphed_tah(device, rep),
+            "6b": lambda: compiled_against_eager(512, rep, steps=20),
+            "6a": lambda: cuda_attention(1024 if q else 8192, rep),
+            "7": lambda: cpu_beside_gpu(rep),
+            "4g": lambda: compiled_decode([(1, 64)], device, rep, steps=32, width=512),
+            "4": lambda: hd_serving({"short": 64, "long": 2048}, (1, 4, 16, 64), device, rep, steps=16, width=512,
+                                    graph=True),
+            "4c": lambda: graphed_vs_prompt(4096 + 16, (1, 16), device, rep, steps=16, width=512)}
+    table = {
+        "1": lambda: attention_by_mask(64 if q else 512, [1, 2, 4] if q else [1, 2, 4, 8], device, rep),
+        "2": lambda: hd_steps(16 if q else 128, [1, 2, 4] if q else [1, 2, 4, 8], device, rep),
+        "3": lambda: mirror_skip(16 if q else 128, 4, device, rep, widths=(32,) if q else (64, 256)),
+        "4": lambda: hd_serving({"short": 8, "long": 32} if q else {"short": 64, "long": 512},
+                                (1, 4) if q else (1, 4, 16, 64), device, rep, steps=2 if q else 8),
+        "4c": lambda: decode_vs_prompt(72 if q else 4096 + 8, (1,) if q else (1, 16), device, rep, steps=2 if q else 8),
+        "4d": lambda: decode_profile((8,) if q else (64, 1016), (1,) if q else (1, 16), device, steps=2 if q else 8),
+        "4e": lambda: gqa_decode((64,) if q else (512, 4096), device, rep),
+        "4h": lambda: moe_dispatch_rows((1, 4, 16, 64) if q else (1, 2, 4, 8, 16, 32, 64, 128, 512, 4096), device, rep),
+        "4f": lambda: window_layer(72 if q else 4096 + 32, (1,) if q else (1, 16), device, rep, steps=2 if q else 32),
+        "5": lambda: tah_costs(16 if q else 64, device, rep, widths=(32,) if q else (64, 256)),
+        "5b": lambda: tah_profile(16 if q else 64, device, rep, width=32 if q else 256),
+        "8": lambda: op_counts(device, quick=q)}
+    if device == "cuda":
+        table["6a"] = lambda: cuda_attention(1024 if q else 8192, rep)
+        table["6b"] = lambda: compiled_against_eager(512, rep, steps=20)
+    return table
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="cost of each mechanism, as measured ratios")
     ap.add_argument("--quick", action="store_true", help="small sizes, seconds (CI)")
     ap.add_argument("--repeats", type=int,
-                    help="timed repeats per arm, their median reported (default: 15; 3 with --quick)")
+                    help=f"timed repeats per arm, their median reported, at most {MAX_REPEATS} (default: 15; 3 with "
+                         "--quick)")
     ap.add_argument("--compile", action="store_true",
                     help="only compiled vs eager: 4g, the decode step, 4i, an HD training step (a compile per row), "
                          "and 4j, TaH decoding compiled per pass")
     ap.add_argument("--cuda", action="store_true",
-                    help="only the sections a GPU answers: HD serving on CUDA and the CUDA section (gpu_check.sh)")
+                    help="only the sections a GPU answers, most wanted first: 4k, 4l, 6b, 6a, 7, 4g, 4, 4c "
+                         "(gpu_check.sh)")
+    ap.add_argument("--sections", help="a comma list of the sections to run, of those the mode runs (e.g. "
+                                       "--cuda --sections 4k,6b); default: all of them")
     args = ap.parse_args(argv)
     if args.compile and args.cuda:
         ap.error("--compile and --cuda each run their own sections: give one")
     if args.cuda and not torch.cuda.is_available():
         ap.error("--cuda needs a CUDA GPU")
-    if args.repeats is not None and args.repeats < 1:
-        ap.error("--repeats must be >= 1")
+    if args.repeats is not None and not 1 <= args.repeats <= MAX_REPEATS:
+        ap.error(f"--repeats must be an int in [1, {MAX_REPEATS}], got {args.repeats}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rep = args.repeats or (3 if args.quick else 15)
+    mode = "cuda" if args.cuda else "compile" if args.compile else "plain"
+    table = section_table(mode, args.quick, device, rep)
+    chosen = list(table) if args.sections is None else args.sections.split(",")
+    if unknown := [s for s in chosen if s not in table]:
+        ap.error(f"--sections: no section {', '.join(unknown)} in this mode's {', '.join(table)}")
     dev = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"# bench.py{' --quick' if args.quick else ''} on {dev}, torch {torch.__version__}, median of {rep}")
     if args.quick:
         print("--quick runs small sizes in seconds: the targets in the section titles are the full run's sizes', "
               "and its ratios are not comparable with them")
-    q = args.quick
-    if args.compile:
-        layout = "IL" if q else "IIFLII"
-        compiled_decode([(1, 64), (16, 512)] if not q else [(1, 8)], device, rep, steps=4 if q else 32, layout=layout)
-        compiled_training(16 if q else 128, [4] if q else [1, 4], device, rep, layout=layout)
-        compiled_tah(8 if q else 64, device, rep, steps=4 if q else 32, n_layer=1 if q else 6,
-                     modes=("decider",) if q else ("always", "decider"))
-        return
-    if args.cuda:  # most wanted first: gpu_check.sh's time limit may cut the last ones
-        graphed_decode(device, rep)  # seconds: no compile
-        graphed_tah(device, rep)
-        cuda_section(1024 if q else 8192, rep)
-        cpu_beside_gpu(rep)
-        compiled_decode([(1, 64)], device, rep, steps=32, width=512)
-        hd_serving({"short": 64, "long": 2048}, (1, 4, 16, 64), device, rep, steps=16, width=512, graph=True)
-        graphed_vs_prompt(4096 + 16, (1, 16), device, rep, steps=16, width=512)
-        return
-    attention_by_mask(64 if q else 512, [1, 2, 4] if q else [1, 2, 4, 8], device, rep)
-    hd_steps(16 if q else 128, [1, 2, 4] if q else [1, 2, 4, 8], device, rep)
-    mirror_skip(16 if q else 128, 4, device, rep, widths=(32,) if q else (64, 256))
-    hd_serving({"short": 8, "long": 32} if q else {"short": 64, "long": 512}, (1, 4) if q else (1, 4, 16, 64),
-               device, rep, steps=2 if q else 8)
-    decode_vs_prompt(72 if q else 4096 + 8, (1,) if q else (1, 16), device, rep, steps=2 if q else 8)
-    decode_profile((8,) if q else (64, 1016), (1,) if q else (1, 16), device, steps=2 if q else 8)
-    gqa_decode((64,) if q else (512, 4096), device, rep)
-    moe_dispatch_rows((1, 4, 16, 64) if q else (1, 2, 4, 8, 16, 32, 64, 128, 512, 4096), device, rep)
-    window_layer(72 if q else 4096 + 32, (1,) if q else (1, 16), device, rep, steps=2 if q else 32)
-    tah_costs(16 if q else 64, device, rep, widths=(32,) if q else (64, 256))
-    tah_profile(16 if q else 64, device, rep, width=32 if q else 256)
-    if device == "cuda":
-        cuda_section(1024 if q else 8192, rep)
+    for name in chosen:
+        table[name]()
+
 
 if __name__ == "__main__":
     main()

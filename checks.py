@@ -10,6 +10,7 @@ always, values only where it is free (on CPU: on CUDA a min or max waits for the
 import argparse
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import fields
 
 import torch
@@ -150,19 +151,44 @@ def memory_limit(device="cpu"):
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_fits(cfg, batch=1, training=False, device="cpu"):
+def check_fits(cfg, batch=1, training=False, device="cpu", sharing=1):
     """The one rule for sizes: float32 parameters (x4 training: gradients, AdamW's moments) and
-    the activations at `batch` must fit the device's memory."""
+    the activations at `batch` must fit the device's memory, or its share of it when `sharing`
+    processes each hold such a model on it (train_tiny.py's --jobs)."""
     need = 4 * (parameters(cfg) * (4 if training else 1) + activations(cfg, batch, scores=training))
-    limit = memory_limit(device)
+    limit = memory_limit(device) / sharing
     if need > limit:
+        share = f" ({sharing} processes share its {memory_limit(device) / 2**30:,.1f})" if sharing > 1 else ""
         raise ValueError(f"this configuration needs ~{need / 2**30:,.3g} GiB ({parameters(cfg):,} parameters, "
                          f"activations of {batch} sequence(s) of block_size {cfg.block_size}) and the "
-                         f"{torch.device(device).type} has {limit / 2**30:,.1f} GiB: make it smaller")
+                         f"{torch.device(device).type} has {limit / 2**30:,.1f} GiB{share}: make it smaller")
 
 
 # -----------------------------------------------------------------------------
 # Tensor inputs
+
+
+RECORDING = []  # non-empty while a step that will be replayed runs (recorded_step)
+
+
+@contextmanager
+def recorded_step():
+    """Within: the step being run will be replayed, as a CUDA graph replays its capture (generate.py
+    runs a graph's warm-up and its capture inside): it takes static shapes and reads no value on
+    the host, exactly as the capture will, so the warm-up runs the very kernels the graph records."""
+    RECORDING.append(True)
+    try:
+        yield
+    finally:
+        RECORDING.pop()
+
+
+def static_step(device):
+    """Whether this step must take static shapes and read no value on the host: compiled, recorded
+    for replay (recorded_step), or captured by a CUDA graph (which can wait on nothing)."""
+    return (torch.compiler.is_compiling() or bool(RECORDING)
+            or device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
 
 
 def check_tokens(idx, targets, vocab_size, values=None):
@@ -180,8 +206,8 @@ def check_tokens(idx, targets, vocab_size, values=None):
                              f"got {getattr(targets, 'dtype', type(targets))}")
         if targets.shape != idx.shape:
             raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
-    if not (idx.device.type == "cpu" if values is None else values) or torch.compiler.is_compiling():
-        return  # compiled: a branch on a value would break the graph; the compiled embedding checks its ids
+    if not (idx.device.type == "cpu" if values is None else values) or static_step(idx.device):
+        return  # compiled or recorded: a branch on a value would break the graph; the embedding checks its ids
     if idx.min() < 0 or idx.max() >= vocab_size:
         raise ValueError(f"idx must hold ids in [0, vocab_size={vocab_size}), got [{idx.min().item()}, {idx.max().item()}]")
     if targets is not None and (targets.min() < -1 or targets.max() >= vocab_size):

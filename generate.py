@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from checks import (check_caches, check_generation, check_generator, check_kv, check_length, check_logits,
-                    check_sampling, check_tokens, demo_args, is_int, real_device)
+                    check_sampling, check_tokens, demo_args, is_int, real_device, recorded_step)
 from hd import HiddenDecoding
 from moe import Transformer, upcast
 from tah import ThinkAtHard
@@ -241,13 +241,14 @@ class StaticTaHCache(TaHCache):
         saved = self.written.clone(), self.filled
         side = torch.cuda.Stream(x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):
-            ThinkAtHard.run_pass(model, x, q_pos, d, valid, self, None)
-        torch.cuda.current_stream(x.device).wait_stream(side)
-        self.written.copy_(saved[0])
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = ThinkAtHard.run_pass(model, x, q_pos, d, valid, self, None)
+        with recorded_step():  # the warm-up takes the kernels the capture records (checks.recorded_step)
+            with torch.cuda.stream(side):
+                ThinkAtHard.run_pass(model, x, q_pos, d, valid, self, None)
+            torch.cuda.current_stream(x.device).wait_stream(side)
+            self.written.copy_(saved[0])
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = ThinkAtHard.run_pass(model, x, q_pos, d, valid, self, None)
         self.filled = saved[1]  # recorded, not run
         return graph, (x, q_pos, valid), out
 
@@ -334,15 +335,16 @@ def graphed_step(model, caches, B):
     counts = [(c.written.clone(), c.len) for c in caches]
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        model(token, caches=caches)
-    torch.cuda.current_stream(dev).wait_stream(side)
-    for c, (written, n) in zip(caches, counts):
-        c.written.copy_(written)
-        c.len = n
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # recorded, not run: the counts the capture adds on the host go back
-        logits = model(token, caches=caches)[0]
+    with recorded_step():  # the warm-up takes the kernels the capture records (checks.recorded_step)
+        with torch.cuda.stream(side):
+            model(token, caches=caches)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        for c, (written, n) in zip(caches, counts):
+            c.written.copy_(written)
+            c.len = n
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # recorded, not run: the counts the capture adds on the host go back
+            logits = model(token, caches=caches)[0]
     for c, (_, n) in zip(caches, counts):
         c.len = n
 

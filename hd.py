@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from checks import check_caches, check_flex, check_length, check_tokens, demo_args, flex_fits, is_int
-from moe import LayerPlan, ModelConfig, Transformer, cache_start, causal, causal_after, dense_mask, upcast
+from moe import LayerPlan, ModelConfig, Positions, Transformer, cache_start, causal, causal_after, dense_mask, upcast
 
 # -----------------------------------------------------------------------------
 # Config
@@ -162,6 +162,23 @@ class StreamPlan(LayerPlan):
         return block(x, self.pos, self.mask, kv_u=kv_u, kv_pos=self.kv_pos, cache=self.cache)
 
 
+class Rows:
+    """One forward's rows as every layer's plan reads them, made once: the new rows' expanded
+    indices t (after `start` cached tokens), the indices keys may come from (t_kv: every row so far,
+    or the `keys` tokens a static cache returns whole, moe.cache_start), and the RoPE positions of
+    every row, of the final-stream rows and of the streams folded into batch rows (moe.Positions:
+    each table computed once)."""
+
+    def __init__(self, cfg, B, L, start, keys, device):
+        n = cfg.n_streams
+        self.B, self.L, self.start, self.keys = B, L, start, keys
+        self.t = start * n + torch.arange(L * n, device=device)
+        self.t_kv = torch.arange((start + L if keys is None else keys) * n, device=device)
+        pos = self.t if cfg.positions == "expanded" else self.t // n
+        self.pos, self.final_pos = Positions(pos), Positions(final_stream(pos, n, 0))
+        self.fold_pos = Positions(fold(pos.expand(B, -1), n))
+
+
 class HiddenDecoding(nn.Module):
     def __init__(self, cfg: HDConfig):
         super().__init__()
@@ -195,48 +212,43 @@ class HiddenDecoding(nn.Module):
 
     def hidden(self, idx, caches=None):
         """Final residual states: (B, L*n, C), or (B, L, C) final-stream rows under the skip."""
-        cfg, n, dev = self.cfg, self.cfg.n_streams, idx.device
+        cfg, dev = self.cfg, idx.device
         B, L = idx.shape
         start = 0 if caches is None else check_caches(caches, cfg.n_layer, cfg.block_size, self.kv_rows_per_token,
                                                        self.kv_window)
         check_length(start, L, cfg.block_size)
         check_flex(cfg.attn_impl, dev, cfg.head_dim)
         start, keys = cache_start(caches, start, self.kv_rows_per_token(0))  # keys: a static cache's tokens
-        t = start * n + torch.arange(L * n, device=dev)  # expanded indices of the new rows
-        t_kv = torch.arange((start + L if keys is None else keys) * n, device=dev)  # every row keys may come from
-        pos = t if cfg.positions == "expanded" else t // n
-        skip, block_masks = self.mirror_skip_from(), {}  # block masks: one per layer type, built once
-        plans = [self.layer_plan(i, skip, t, t_kv, pos, start, keys, B, None if caches is None else caches[i],
-                                 block_masks) for i in range(cfg.n_layer)]
+        rows = Rows(cfg, B, L, start, keys, dev)
+        plans = [self.layer_plan(i, rows, None if caches is None else caches[i]) for i in range(cfg.n_layer)]
         return self.backbone.run_blocks(self.embed(idx), plans)
 
-    def layer_plan(self, i, skip, t, t_kv, pos, start, keys, B, cache, block_masks):
+    def layer_plan(self, i, rows, cache):
         """How block i runs (moe.LayerPlan): its attention path (attention_path), its mask in that
-        path's form, its query positions, and whether its streams fold into batch rows. keys: None,
-        or the tokens a static cache returns whole (moe.cache_start)."""
-        cfg, n, dev, L = self.cfg, self.cfg.n_streams, t.device, len(t) // self.cfg.n_streams
+        path's form, its query positions, and whether its streams fold into batch rows."""
+        cfg, n, dev, skip = self.cfg, self.cfg.n_streams, rows.t.device, self.mirror_skip_from()
         final_only = skip is not None and i >= skip  # queries: the final-stream rows only
         path = attention_path(cfg, i, final_only, dev, cached=cache is not None)
-        q_t, q_pos = (final_stream(t, n, 0), final_stream(pos, n, 0)) if final_only else (t, pos)
+        enter_skip = i == skip
         if path == "fold":  # each stream a causal sequence of its own (new rows after `start` cached)
-            mask = causal_after(start, L, dev, keys)
+            mask = causal_after(rows.start, rows.L, dev, rows.keys)
             if final_only:  # the final stream alone, its K/V from its own rows of the source state
-                return StreamPlan(q_pos, mask, cache, n, enter_skip=i == skip, kv_pos=q_pos, kv_final=True)
-            return StreamPlan(fold(pos.expand(B, -1), n), mask, cache, n, enter_skip=i == skip, fold=True)
+                return StreamPlan(rows.final_pos, mask, cache, n, enter_skip, kv_pos=rows.final_pos, kv_final=True)
+            return StreamPlan(rows.fold_pos, mask, cache, n, enter_skip, fold=True)
         mod = layer_mask(cfg, i)
+        q_t = final_stream(rows.t, n, 0) if final_only else rows.t
         if path == "causal":
             mask = "causal"
         elif path == "dense":  # a cached L layer's cache returns only the rows its window reaches
-            reach = self.kv_window(i) if cache is not None and keys is None else None
-            mask = dense_mask(mod, q_t, t_kv if reach is None else t_kv[max(0, start * n - reach + 1):])
-        else:  # "block": built once per forward, shared by the layers of one type
-            key = (cfg.layout[i], final_only)
-            if key not in block_masks:
-                mod = on_final_rows(mod, n) if final_only else mod
-                block_masks[key] = create_block_mask(mod, None, None, len(q_t), len(t_kv), device=dev)
-            mask = block_masks[key]
+            reach = self.kv_window(i) if cache is not None and rows.keys is None else None
+            t_kv = rows.t_kv if reach is None else rows.t_kv[max(0, rows.start * n - reach + 1):]
+            mask = dense_mask(mod, q_t, t_kv)
+        else:  # "block"
+            mask = block_mask(on_final_rows(mod, n) if final_only else mod,
+                              (cfg.layout[i], n, cfg.window, cfg.shared_kv, final_only), len(q_t), len(rows.t_kv), dev)
         # under the skip the keys still come from every row of the source state, at their positions
-        return StreamPlan(q_pos, mask, cache, n, enter_skip=i == skip, kv_pos=pos if final_only else None)
+        return StreamPlan(rows.final_pos if final_only else rows.pos, mask, cache, n, enter_skip,
+                          kv_pos=rows.pos if final_only else None)
 
     def head(self, h):
         return self.backbone.lm_head(self.backbone.norm_f(h))
@@ -281,6 +293,25 @@ def unfold(x, n):
     """Inverse of fold."""
     Bn, L = x.shape[:2]
     return x.view(Bn // n, n, L, *x.shape[2:]).transpose(1, 2).reshape(Bn // n, L * n, *x.shape[2:])
+
+
+BLOCK_MASKS = {}  # (mask parameters, query rows, key rows, device) -> BlockMask, for eager forwards
+MAX_BLOCK_MASKS = 64
+
+
+def block_mask(mask_mod, key, Tq, Tk, device):
+    """mask_mod as a flex BlockMask, built once per (mask parameters `key`, lengths, device) and
+    reused by every later forward of that shape: create_block_mask is some 90 kernels on CUDA.
+    Inside a compiled graph it is traced with the model instead (a cached one would hold traced
+    tensors)."""
+    if torch.compiler.is_compiling():
+        return create_block_mask(mask_mod, None, None, Tq, Tk, device=device)
+    full_key = (key, Tq, Tk, str(device))
+    if full_key not in BLOCK_MASKS:
+        if len(BLOCK_MASKS) >= MAX_BLOCK_MASKS:
+            BLOCK_MASKS.pop(next(iter(BLOCK_MASKS)))  # the oldest
+        BLOCK_MASKS[full_key] = create_block_mask(mask_mod, None, None, Tq, Tk, device=device)
+    return BLOCK_MASKS[full_key]
 
 
 def attention_path(cfg, i, final_only, device, cached=False):

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from checks import check_attend, check_caches, check_config, check_length, check_tokens, demo_args
+from checks import check_attend, check_caches, check_config, check_length, check_tokens, demo_args, static_step
 
 # -----------------------------------------------------------------------------
 # Config
@@ -98,16 +98,38 @@ def upcast(t):
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
+def rope_angles(pos, rope_dim, base, dtype):
+    """cos and sin of RoPE's angles at positions pos, (T,) or (B, T): (T, rope_dim/2), or (B, 1, T,
+    rope_dim/2) to broadcast over heads."""
+    half = rope_dim // 2
+    inv_freq = base ** (-torch.arange(half, device=pos.device, dtype=dtype) / half)
+    ang = pos.to(dtype)[..., None] * inv_freq
+    if ang.dim() == 3:
+        ang = ang[:, None]
+    return ang.cos(), ang.sin()
+
+
+class Positions:
+    """Query or key positions, (T,) or (B, T), with the cos and sin of their RoPE angles computed at
+    the first layer that asks and read by the rest: one forward's layers share one object, so the
+    table is made once per forward, not twice per layer."""
+
+    def __init__(self, t):
+        self.t, self.tables = t, {}
+
+    def rotation(self, rope_dim, base, dtype):
+        if (rope_dim, base, dtype) not in self.tables:
+            self.tables[rope_dim, base, dtype] = rope_angles(self.t, rope_dim, base, dtype)
+        return self.tables[rope_dim, base, dtype]
+
+
 def apply_rope(x, pos, rope_dim, base):
-    """Rotate the first rope_dim dims of x (..., T, hd) by pos, (T,) or (B, T); pass the rest. NeoX
-    layout: dim i pairs with i + rope_dim/2 (WeLM rotates the trailing dims: a fixed permutation)."""
+    """Rotate the first rope_dim dims of x (..., T, hd) by pos, a tensor (T,) or (B, T), or a
+    Positions; pass the rest. NeoX layout: dim i pairs with i + rope_dim/2 (WeLM rotates the
+    trailing dims: a fixed permutation)."""
     half = rope_dim // 2
     dt = upcast(x).dtype  # the angles in float32 at least, in float64 for a float64 model
-    inv_freq = base ** (-torch.arange(half, device=x.device, dtype=dt) / half)
-    ang = pos.to(dt)[..., None] * inv_freq  # (T, half) or (B, T, half)
-    if ang.dim() == 3:
-        ang = ang[:, None]  # (B, 1, T, half): broadcast over heads
-    cos, sin = ang.cos(), ang.sin()
+    cos, sin = pos.rotation(rope_dim, base, dt) if isinstance(pos, Positions) else rope_angles(pos, rope_dim, base, dt)
     x1, x2, rest = upcast(x[..., :half]), upcast(x[..., half:rope_dim]), x[..., rope_dim:]
     rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
     return torch.cat([rot, rest], dim=-1)
@@ -131,7 +153,9 @@ class Attention(nn.Module):
         B, T, _ = u.shape
         k = self.k_proj(u).view(B, T, self.cfg.n_kv_head, -1).transpose(1, 2)
         v = self.v_proj(u).view(B, T, self.cfg.n_kv_head, -1).transpose(1, 2)
-        k = apply_rope(self.k_norm(k), pos, self.cfg.rope_dim, self.cfg.rope_base)
+        norm = self.k_norm  # its weight in the keys' dtype: under autocast a float32 weight unfuses rms_norm
+        k = F.rms_norm(k, norm.normalized_shape, norm.weight.to(k.dtype), norm.eps)
+        k = apply_rope(k, pos, self.cfg.rope_dim, self.cfg.rope_base)
         return k, v
 
     def forward(self, u, pos, mask, kv_u=None, kv_pos=None, cache=None):
@@ -212,13 +236,31 @@ def attend(q, k, v, mask):
         # inside a compiled model Dynamo traces flex with the model; on CPU the eager form is the reference
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
     if isinstance(mask, str):  # "causal"
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return sdpa(q, k, v, None, is_causal=True)
     Tq, G = q.size(2), q.size(1) // k.size(1)  # G: query heads per K/V head
     per_query = mask is None or (mask.dim() >= 2 and mask.size(-2) == Tq
                                  and (mask.dim() == 2 or mask.size(-3) == 1))
     if gqa and Tq * G <= 32 and per_query:  # a decode step's few queries; 32 rows: bench.py 4e
         return attend_folded(q, k, v, mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return sdpa(q, k, v, mask)
+
+
+def sdpa(q, k, v, mask, is_causal=False):
+    """F.scaled_dot_product_attention for GQA. On CUDA FlashAttention takes neither a mask nor
+    float32, and the fused kernels that do take no GQA: there K and V are expanded to every query
+    head (expands_kv), so a fused kernel serves instead of the math fallback, which materializes
+    the (B, H, Tq, Tk) scores."""
+    gqa = q.size(1) != k.size(1)
+    if gqa and expands_kv(q, mask):
+        G = q.size(1) // k.size(1)
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # query head h reads K/V head h // G
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
+
+
+def expands_kv(q, mask):
+    """Whether sdpa expands K/V for this call: on CUDA, with a mask or outside fp16/bf16."""
+    return q.is_cuda and (mask is not None or q.dtype not in (torch.float16, torch.bfloat16))
 
 
 def attend_folded(q, k, v, mask):
@@ -248,7 +290,6 @@ class SwiGLU(nn.Module):
 
 
 GATHER_ROWS = 4  # auto, eager: (token, k) pairs up to which gather beats sorting by expert (bench.py 4h)
-COMPILED_GATHER_ROWS = 128  # auto, compiled: up to a batch-16 n = 4 decode step's pairs (bench.py 4g)
 
 
 class MoE(nn.Module):
@@ -280,14 +321,16 @@ class MoE(nn.Module):
         return idx, scores.gather(-1, idx)
 
     def dispatch(self, N, dt, dev):
-        """The moe_dispatch that runs N rows. "auto": gather for a decode step's few rows; else masked
-        under compile, else grouped_mm where torch has it for these inputs, else loop (bench.py 4h)."""
+        """The moe_dispatch that runs N rows. "auto": compiled or recorded for a CUDA graph, gather
+        while it moves fewer bytes than masked, else masked; eagerly gather for a decode step's few
+        rows, else grouped_mm where torch has it for these inputs, else loop (bench.py 4h)."""
         mode = self.cfg.moe_dispatch
         if mode != "auto":
             return mode
-        if torch.compiler.is_compiling() or dev == "cuda" and torch.cuda.is_current_stream_capturing():  # no host
-            # reads, static shapes (a CUDA graph cannot wait for the host): a decode step gathers, training masks
-            return "gather" if N * self.cfg.top_k <= COMPILED_GATHER_ROWS else "masked"
+        if static_step(torch.device(dev)):  # compiled or a CUDA graph: static shapes, no host read. Gather
+            # copies each chosen expert's weights per (token, k) pair, written then read; masked reads every
+            # expert's once: gather while that moves fewer bytes
+            return "gather" if 2 * N * self.cfg.top_k < self.cfg.n_experts else "masked"
         if N * self.cfg.top_k <= GATHER_ROWS:
             return "gather"
         aligned = all(n * dt.itemsize % 16 == 0 for n in (self.cfg.n_embd, self.cfg.expert_hidden))
@@ -436,7 +479,7 @@ class Transformer(nn.Module):
         start = 0 if caches is None else check_caches(caches, self.cfg.n_layer, self.cfg.block_size)
         check_length(start, T, self.cfg.block_size, "positions")
         start, keys = cache_start(caches, start)
-        pos = start + torch.arange(T, device=idx.device)
+        pos = Positions(start + torch.arange(T, device=idx.device))
         mask = causal_after(start, T, idx.device, keys)
         x = self.run_blocks(self.wte(idx), [LayerPlan(pos, mask, None if caches is None else caches[i])
                                             for i in range(self.cfg.n_layer)])

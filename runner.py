@@ -223,12 +223,12 @@ class Session:
         self.preset_name = "smoke" if a.smoke else a.preset or "default"
         P = presets[self.preset_name]
         self.P = replace(P, **{f.name: getattr(a, f.name) for f in fields(P) if hasattr(a, f.name)})
-        if problem := check(self.P, a.device, names, WORLD, a.accum):
+        self.jobs = a.jobs or (1 if DDP else max(1, usable_cores() // a.threads))  # one GPU too: processes share it
+        if problem := check(self.P, a.device, names, WORLD, a.accum, min(self.jobs, len(names) * self.P.seeds)):
             ap.error(problem)
         self.suites, self.seeds, self.out, self.data, self.device = names, range(a.seed0, a.seed0 + self.P.seeds), \
             Path(a.out), a.data, a.device
         self.every_arm, self.smoke, self.fresh = a.suite == "all" or a.smoke, a.smoke, a.fresh
-        self.jobs = a.jobs or (1 if DDP else max(1, usable_cores() // a.threads))  # one GPU too: processes share it
         self.threads, self.order, self.world, self.master = a.threads, list(suites), WORLD, MASTER
         self.run = Run(Path(), None, a.device, self.seeds, *(("dev", 104729) if a.dev else ("val", 7919)),
                        self.every_arm, a.muon, a.accum, a.compile, a.log_every, a.ckpt_every)
@@ -293,7 +293,7 @@ class Session:
             return self.finished(suite, seed, work(suite, self.P, self.run, seed, data))
         while len(self.running) >= self.jobs:
             self.collect()
-        job = (work, suite, self.P, self.run, seed, data, self.threads)
+        job = (work, suite, self.P, self.run, seed, data, self.threads, max(1, usable_cores() // self.jobs))
         process = multiprocessing.get_context("spawn").Process(target=in_process, args=(self.results, job), daemon=True)
         self.running[suite, seed] = (time.time(), process)
         with ctrl_c_deferred():  # Ctrl-C stops the parent (never lost), which stops the processes
@@ -386,10 +386,11 @@ def in_process(results, job):
             time.sleep(1.0)
         signal.raise_signal(signal.SIGKILL)
     threading.Thread(target=watch, daemon=True).start()
-    work, suite, P, run, seed, data, threads = job
+    work, suite, P, run, seed, data, threads, compile_threads = job
     set_up_torch(threads)
-    try:
-        with torch._dynamo.config.patch(**DYNAMO):
+    import torch._inductor.config as inductor
+    try:  # inductor's compile workers: the process's share of the cores, not a pool of all of them
+        with torch._dynamo.config.patch(**DYNAMO), inductor.patch(compile_threads=compile_threads):
             rows = work(suite, P, run, seed, data)
     except SystemExit as e:
         rows = str(e.code)

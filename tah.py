@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from checks import check_length, check_oracle, check_routing, check_stage2, demo_args
-from moe import LayerPlan, ModelConfig, Transformer, upcast
+from moe import LayerPlan, ModelConfig, Positions, Transformer, upcast
 
 MODES = ("standard", "always", "oracle", "decider")
 
@@ -351,7 +351,8 @@ class ThinkAtHard(nn.Module):
         else:
             mask = dense_batch_mask(mod, B, Tq, Tk, x.device)
         kept = [x]  # hidden states as the authors index them: 0 the input, i + 1 block i's output
-        plans = [LayerPlan(q_pos, mask, cache.layers[i]) for i in range(cfg.n_layer)]
+        rope = Positions(q_pos)  # every depth at its token's position (§4.1); the table made once a pass
+        plans = [LayerPlan(rope, mask, cache.layers[i]) for i in range(cfg.n_layer)]
         self.set_lora(d >= 1)  # Eq. 6: theta at depth 0, theta + Delta deeper
         try:
             return self.backbone.run_blocks(x, plans, kept), kept

@@ -1,11 +1,17 @@
 """bench.py --quick runs every CPU section end to end (the numbers are not asserted: timing
 belongs in a benchmark, not a test)."""
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
 import bench
 import tah
+
+HERE = Path(__file__).resolve().parent
 
 
 def test_quick_bench_prints_every_section(capfd):
@@ -15,7 +21,7 @@ def test_quick_bench_prints_every_section(capfd):
     for title in ("1. Attention alone", "2. HD training step", "3. KV-mirror final-stream skip", "4. HD serving",
                   "4b. KV cache", "4c. HD decode tokens/s against prompt length", "4d. Where a decode step's time goes",
                   "4e. Attention of a decode step", "4f. The L layer alone", "4h. The MoE layer alone", "5. TaH",
-                  "5b. Where TaH's extra cost goes"):
+                  "5b. Where TaH's extra cost goes", "8. Aten ops per step"):
         assert title in out, title
     assert "x |" in out  # ratios were printed
 
@@ -61,7 +67,9 @@ def test_compiled_training_section_tells_a_bug_from_rounding(capfd, monkeypatch)
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--repeats", "0"], "--repeats must be an int in [1, 1000], got 0"),
+    (["--repeats", str(10**24)], "--repeats must be an int in [1, 1000]"),
+    (["--sections", "4k"], "--sections: no section 4k in this mode's 1, 2,"),
     (["--repeats", "two"], "invalid int value"),
     (["--compile", "--cuda"], "give one"),
     (["--fast"], "unrecognized arguments"),
@@ -120,3 +128,44 @@ def test_decode_against_prompt_length_runs_on_the_graph_step(capfd, monkeypatch)
     out, _ = capfd.readouterr()
     assert "4c (CUDA graph)" in out
     assert [r.split(" | ")[1] for r in out.splitlines() if r.startswith("| 1 | ")] == ["64", "70"]
+
+
+# -----------------------------------------------------------------------------
+# gpu_check.sh, on the CPU
+
+
+def gpu_check(tmp_path, *args, **env):
+    run = subprocess.run(["bash", str(HERE / "gpu_check.sh"), *args], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "GPU_OUT": str(tmp_path / "back"), "GPU_SCRATCH": str(tmp_path / "runs"),
+                              **env})
+    return run, tmp_path / "back"
+
+
+def test_the_gpu_checks_dry_run_returns_a_flat_folder_whose_every_log_ends_in_its_status(tmp_path):
+    """--dry-run, every step stopped at a 3-s limit: at most 8 files, none in a folder, each step's
+    log readable and ending in its status line, summary.md naming the interpreter and every step."""
+    run, back = gpu_check(tmp_path, "--dry-run", GPU_CHECK_LIMIT="3")
+    assert run.returncode == 0, run.stderr
+    files = list(back.iterdir())
+    assert len(files) <= 8 and all(f.is_file() for f in files), files
+    summary = (back / "summary.md").read_text()
+    assert "- python: " in summary and "torch " in summary
+    for step in ("tests", "smoke", "bench", "default"):
+        last = (back / f"{step}.log").read_text().splitlines()[-1]
+        assert last.startswith(f"== {step}: exit 124 in ") and "stopped at its 3-s limit" in last, last
+        assert f"- {step}: exit 124" in summary
+    assert not list(back.glob("run-*")) and (tmp_path / "runs").is_dir()  # run folders stay out of it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_the_gpu_check_tells_a_missing_torch_from_a_missing_gpu_and_leaves_nothing(tmp_path):
+    run, back = gpu_check(tmp_path)
+    assert run.returncode == 1 and "sees no CUDA GPU" in run.stderr and "--dry-run" in run.stderr, run.stderr
+    no_torch = tmp_path / "python-without-torch"
+    no_torch.write_text("#!/bin/sh\nexit 1\n")
+    no_torch.chmod(0o755)
+    run, back = gpu_check(tmp_path, PYTHON=str(no_torch))
+    assert run.returncode == 1 and run.stderr.strip() == f"gpu_check.sh: PYTHON={no_torch} has no torch", run.stderr
+    assert "Traceback" not in run.stderr and not back.exists() and not (tmp_path / "runs").exists()
+    run, _ = gpu_check(tmp_path, "--bogus")
+    assert run.returncode == 2 and "unknown argument '--bogus'" in run.stderr

@@ -88,3 +88,15 @@ def test_sizes_that_cannot_fit_are_refused_in_one_line_before_anything_is_alloca
     assert "\n" not in str(e.value)
     if "needs" in words:
         assert "GiB" in str(e.value) and "has" in str(e.value)
+
+
+def test_a_model_that_fits_alone_is_refused_when_jobs_processes_share_the_device(monkeypatch):
+    """check_fits with `sharing` processes each holding the model: the device's memory is theirs
+    together (train_tiny.py's --jobs on one GPU)."""
+    import checks
+    cfg = ModelConfig(n_layer=3, n_embd=16, n_head=2, n_kv_head=1, head_dim=8, vocab_size=50, block_size=16)
+    need = 4 * (parameters(cfg) * 4 + checks.activations(cfg, 8, scores=True))
+    monkeypatch.setattr(checks, "memory_limit", lambda device="cpu": 3 * need)
+    checks.check_fits(cfg, 8, training=True, sharing=3)
+    with pytest.raises(ValueError, match=r"needs ~.*\(4 processes share its"):
+        checks.check_fits(cfg, 8, training=True, sharing=4)

@@ -4,6 +4,7 @@ The cached = full-forward properties of each model live beside that model's othe
 (test_moe.py, test_hd.py, test_tah.py) and run over generate.py's caches."""
 
 import ast
+import contextlib
 import re
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import generate as decoding
+import moe
 from generate import KVCache, StaticTaHCache, TaHCache, generate, generate_tah, lora_merged, make_caches, sample
 from hd import HDConfig, HiddenDecoding
 from moe import ModelConfig, Transformer
@@ -252,3 +255,97 @@ def test_cuda_graph_tah_decoding_gives_eagers_tokens_and_passes(B, mode):
     eager = generate_tah(model, idx, 16, temperature=0, mode=mode)
     graphed = generate_tah(model, idx, 16, temperature=0, mode=mode, cuda_graph=True)
     assert torch.equal(graphed[0], eager[0]) and torch.equal(graphed[1], eager[1])
+
+
+# -----------------------------------------------------------------------------
+# CUDA's rules for a captured step, pinned on the CPU: CUDA's stream and graph calls faked, each
+# capture run once under NoHostRead with meta as the default device
+
+
+aten = torch.ops.aten
+HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "_unique2", "unique_dim",
+              "unique_consecutive"}
+
+
+class NoHostRead(TorchDispatchMode):
+    """Fails on every op that hands the host a value the device computed: a CUDA graph's capture
+    can wait on nothing (.item(), nonzero, a boolean-mask index, a data-dependent size)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bool_index = func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                              aten._index_put_impl_.default) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+        sized_by_data = func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+        if func.overloadpacket.__name__ in HOST_READS or bool_index or sized_by_data:
+            raise AssertionError(f"{func} waits on the device inside a captured step")
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    """CUDA's stream and graph calls on the CPU: a side stream is the CPU itself, a capture runs its
+    step once under NoHostRead with meta as the default device (a tensor made without device= would
+    be meta, and meet the CPU's in the first op). Returns the phases and each MoE layer's dispatch
+    in them, as (phase, dispatch)."""
+    seen, phase = [], ["eager"]
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def replay(self):
+            pass
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        phase[0] = "warm-up"
+        yield
+
+    @contextlib.contextmanager
+    def capture(graph, **kw):
+        phase[0] = "capture"
+        with NoHostRead(), torch.device("meta"):
+            yield
+        phase[0] = "eager"
+
+    real = moe.MoE.dispatch
+    monkeypatch.setattr(moe.MoE, "dispatch", lambda self, *a: seen.append((phase[0], real(self, *a))) or seen[-1][1])
+    for name, fake in (("Stream", Stream), ("stream", on_stream), ("current_stream", lambda device=None: Stream()),
+                       ("CUDAGraph", Graph), ("graph", capture)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    return seen
+
+
+@pytest.mark.parametrize("kind, kw", STATIC_MODELS)
+def test_a_captured_decode_step_reads_nothing_on_the_host_and_warms_up_on_its_own_dispatch(kind, kw,
+                                                                                            fake_cuda_graphs):
+    """generate.graphed_step's capture (the backbone; HD with every letter, the mirror and its skip,
+    shared KV; experts on): no op waits on the device and no tensor is made off it; the warm-up
+    before it runs the MoE dispatch the capture records, one of the static ones."""
+    model = static_model(kind, dict(kw))
+    caches = make_caches(model, static=True)
+    with torch.no_grad():
+        model(torch.randint(64, (2, 5)), caches=caches)  # the prompt, eager
+    decoding.graphed_step(model, caches, 2)
+    by_phase = {p: [d for q, d in fake_cuda_graphs if q == p] for p in ("warm-up", "capture")}
+    assert by_phase["capture"] and by_phase["warm-up"] == by_phase["capture"], fake_cuda_graphs
+    assert set(by_phase["capture"]) <= {"gather", "masked"}
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+def test_every_captured_tah_pass_reads_nothing_on_the_host_and_warms_up_on_its_own_dispatch(experts,
+                                                                                            fake_cuda_graphs):
+    """StaticTaHCache's pass graphs, depth 0 and depth 1 (every token of 3 rows two passes): as above."""
+    torch.manual_seed(0)
+    model = ThinkAtHard(TaHConfig(vocab_size=64, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
+                                  head_dim=16, n_experts=experts, logit_topk=16)).eval()
+    decoding.tah_decode(model, torch.randint(64, (3, 6)), 2, 0, None, None, "always", cuda_graph=True)
+    captured = [d for p, d in fake_cuda_graphs if p == "capture"]
+    warmed = [d for p, d in fake_cuda_graphs if p == "warm-up"]
+    assert warmed == captured and set(captured) <= {"gather", "masked"}
+    assert len(captured) == (2 * 3 if experts else 0)  # two pass graphs of three MoE layers each

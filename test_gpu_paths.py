@@ -224,3 +224,77 @@ def test_compiled_training_is_one_graph_per_arm_configuration_and_none_for_a_lat
     assert whole.frame_count == len(configs) > 0, (whole.frame_count, configs)
     assert 0 < passes.frame_count <= 16, passes.frame_count
     assert seen[2] == seen[1], dict(seen)  # seed 2 trained through the graphs of seeds 0 and 1
+
+
+# -----------------------------------------------------------------------------
+# 5. No tensor made without a device: on a GPU such a tensor lands on the CPU (a copy each step, and a
+# CUDA graph cannot hold it). Pinned on the CPU with meta as the default device: a tensor made without
+# device= is meta, and fails the first op that meets the CPU's.
+
+
+def small_models():
+    torch.manual_seed(0)
+    base = dict(vocab_size=61, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=16,
+                n_experts=4, top_k=2, expert_hidden=16)
+    return {"moe": moe.Transformer(moe.ModelConfig(**base)),
+            "hd": HiddenDecoding(HDConfig(**base, n_streams=4, layout="IFL", window=5)),
+            "hd-shared": HiddenDecoding(HDConfig(**base, n_streams=2, layout="LIF", shared_kv=True, mirror_skip=False)),
+            "tah": ThinkAtHard(TaHConfig(**base, logit_topk=16, threshold=0.5))}
+
+
+@pytest.mark.parametrize("kind", ["moe", "hd", "hd-shared", "tah"])
+def test_training_evaluation_and_decoding_make_no_tensor_without_a_device(kind):
+    """A training step's forward and backward (TaH: both stages, the decider's routing), an
+    evaluation forward and greedy decoding (cached; static caches; TaH's decider), with meta as
+    the default device."""
+    import generate as decoding
+    model = small_models()[kind]
+    idx = torch.randint(61, (2, 12))
+    with torch.device("meta"):
+        if kind == "tah":
+            depths = 1 + (idx[:, :-1] % 2)
+            model.stage1_loss(idx[:, :-1], idx[:, 1:], depths).backward()
+            model.stage2_loss(idx[:, :-1], depths)[0].backward()
+            with torch.no_grad():
+                model(idx, mode="decider")
+                decoding.generate_tah(model.eval(), idx[:, :4], 4, temperature=0)
+                decoding.tah_decode(model, idx[:, :4], 4, 0, None, None, "always")
+        else:
+            model(idx[:, :-1], idx[:, 1:])[1].backward()
+            with torch.no_grad():
+                model.eval()(idx)
+                decoding.generate(model, idx[:, :4], 4, temperature=0)
+                caches = decoding.make_caches(model, static=True)
+                model(idx[:, :4], caches=caches)
+                model(idx[:, 4:5], caches=caches)
+
+
+@pytest.mark.parametrize("mask", ["causal", "none", "tensor"])
+def test_attention_with_kv_expanded_for_cudas_fused_kernels_equals_gqa(mask, monkeypatch):
+    """On CUDA, with a mask or in float32, moe.sdpa expands K/V to every query head (the fused kernels
+    that take a mask take no GQA). The expanded call, made on the CPU, equals SDPA's own GQA."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    m = {"causal": "causal", "none": None, "tensor": torch.rand(40, 40) > 0.4}[mask]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask != "tensor" else m,
+                                         is_causal=mask == "causal", enable_gqa=True)
+    calls = []
+    monkeypatch.setattr(moe, "expands_kv", lambda q, m: calls.append(1) or True)
+    torch.testing.assert_close(attend(q, k, v, m), ref, atol=1e-6, rtol=1e-6)
+    assert calls
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_masked_and_float32_attention_equals_the_cpus(dtype):
+    """With K/V expanded on CUDA: a dense mask (a row that sees no key gives 0) and the causal
+    kernel, in float32 and bf16, against the CPU's float64."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    mask = torch.rand(40, 40) > 0.4
+    mask[3] = False
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for m in (mask, "causal"):
+        want = attend(q.double(), k.double(), v.double(), m)
+        got = attend(*(t.to("cuda", dtype) for t in (q, k, v)), m if isinstance(m, str) else m.cuda())
+        torch.testing.assert_close(got.double().cpu(), want, atol=tol, rtol=tol)

@@ -321,7 +321,7 @@ def test_deeper_inputs_mix_embeddings_by_running_summed_logits_at_the_token_posi
     idx = torch.randint(53, (1, 6))
     depths = torch.tensor([[3, 1, 2, 3, 1, 3]])
     seen = []
-    h = model.backbone.blocks[0].register_forward_pre_hook(lambda mod, args: seen.append((args[0], args[1])))
+    h = model.backbone.blocks[0].register_forward_pre_hook(lambda mod, args: seen.append((args[0], args[1].t)))
     with torch.no_grad():
         out = model(idx, mode="oracle", depths=depths)
     h.remove()

@@ -400,11 +400,18 @@ def test_a_worker_stopped_by_an_error_hands_its_one_line_to_the_parent():
     import queue
     results, threads, handler = queue.Queue(), torch.get_num_threads(), signal.getsignal(signal.SIGINT)
     try:
-        runner.in_process(results, (stops, "moe", tt.PRESETS["smoke"], trainer.Run(Path(".")), 3, None, 1))
+        runner.in_process(results, (stops, "moe", tt.PRESETS["smoke"], trainer.Run(Path(".")), 3, None, 1, 1))
+        runner.in_process(results, (compile_workers, "moe", tt.PRESETS["smoke"], trainer.Run(Path(".")), 4, None, 1, 3))
     finally:
         torch.set_num_threads(threads)  # in_process sets the process up as a worker's
         signal.signal(signal.SIGINT, handler)
     assert results.get_nowait() == ("moe", 3, "error: [moe/arm s3] loss is nan at step 2")
+    assert results.get_nowait() == ("moe", 4, 3)  # inductor's compile workers: the process's share of the cores
+
+
+def compile_workers(suite, P, run, seed, data):
+    import torch._inductor.config as inductor
+    return inductor.compile_threads
 
 
 def dies_or_stops(suite, P, run, seed, data):  # a --jobs process's work (module level: a spawned process imports it)

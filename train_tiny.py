@@ -232,10 +232,11 @@ COUNTS = {"seeds": MAX_SEEDS, **{f: MAX_STEPS for f in ("iters", "warmup", "hd_b
 TEXT_VOCAB = 100_000  # the text's vocabulary is known only once it is read: at most cl100k's, for the size rule
 
 
-def check_preset(P, device="cpu", suites=(), world=1, accum=1):
+def check_preset(P, device="cpu", suites=(), world=1, accum=1, sharing=1):
     """Every field in range, each suite's global batch cut into `world` ranks x `accum` micro-steps
-    (an uneven cut is fine), and the models it builds valid and within the device's memory (the one
-    rule for sizes, checks.check_fits): one line before anything is allocated or written."""
+    (an uneven cut is fine), and the models it builds valid and within the device's memory, shared
+    by `sharing` processes (the one rule for sizes, checks.check_fits): one line before anything is
+    allocated or written."""
     for f in fields(Preset):
         v = getattr(P, f.name)
         if isinstance(v, int) and not 1 <= v <= COUNTS.get(f.name, MAX_INT):
@@ -257,10 +258,10 @@ def check_preset(P, device="cpu", suites=(), world=1, accum=1):
         if getattr(P, batch_field) < world * accum:
             return f"--{batch_field} {getattr(P, batch_field)} has fewer rows than {world} rank(s) x {accum} micro-step(s) " \
                    "(--accum)"
-    return check_models(P, device)
+    return check_models(P, device, sharing)
 
 
-def check_models(P, device):
+def check_models(P, device, sharing=1):
     for name, task in (("symbols/queries", Lookups(P.symbols, P.queries, P.two_hop, per_problem=True)),
                        ("digits", Arith(P.digits))):
         if task.problem_len > P.block:
@@ -276,7 +277,7 @@ def check_models(P, device):
         return f"this preset builds no valid model: {e}"
     for cfg, batch in cfgs:  # the largest model of each kind, training at its batch
         try:
-            check_fits(cfg, batch, training=True, device=device)
+            check_fits(cfg, batch, training=True, device=device, sharing=sharing)
         except ValueError as e:
             return f"{e} (--batch {P.batch}, --tah_batch {P.tah_batch})"
     return None

@@ -110,6 +110,8 @@ def train(name, model, loss_fn, data, stage, run, seed, on_step=None, first_batc
     if 0 < start < stage.steps:
         log(f"[{name} s{seed}] resuming at step {start}")
     log(f"[{name} s{seed}] {stage.steps} steps, lr {stage.lr:g}, batch {stage.batch}")
+    if run.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(run.device)  # each stage's line gives its own peak
     t0 = time.perf_counter()
     for it in range(start, stage.steps):
         for o in opts:  # the learning rate of step it
@@ -166,8 +168,11 @@ class MicroSteps:
         """Forward and backward of this rank's rows of micro-step m."""
         B, dev, pieces = self.stage.batch, self.run.device, self.world * self.run.accum
         lo, hi = batch_piece(m * self.world + self.rank, pieces, B)  # this rank's rows of the global batch
+        x, y = x[lo:hi], y[lo:hi]
+        if dev.startswith("cuda"):  # from pinned memory, so the copy does not wait on the host
+            x, y = x.pin_memory(), y.pin_memory()
         with self.autocast:
-            loss = self.loss_fn(self.fwd_model, x[lo:hi].to(dev), y[lo:hi].to(dev))
+            loss = self.loss_fn(self.fwd_model, x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
             loss = loss / (B / (hi - lo))  # its share of the batch: / accum x world for an even cut
         loss.backward()
         return loss.item()
