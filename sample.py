@@ -15,51 +15,56 @@ It reads the run's results.json (the preset and the run's folder) and the checkp
 
 import argparse
 import json
+import re
+from dataclasses import fields
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-import headline
 import tasks
-import trainer
 from generate import generate
 from hd import HDConfig, HiddenDecoding
+from lab.files import load_checkpoint
+from lab.presets import check_preset
+from protocols import backbone_cfg, tah_config
 from tah import ThinkAtHard
+from train_tiny import Preset
+
+MAX_TOKENS, MAX_SEED = 100_000, 10**6
 
 
 def load(cls, cfg, ckpt):
     if not ckpt.exists():
         raise SystemExit(f"error: no checkpoint {ckpt}: train first (python train_tiny.py; --smoke keeps none)")
     model = cls(cfg)
-    model.load_state_dict(trainer.load_checkpoint(ckpt)["model"])
+    model.load_state_dict(load_checkpoint(ckpt)["model"])
     return model.eval()
 
 
-def hd_text(P, data, run_dir, out, seed, tokens, temperature, top_k):
+def hd_text(preset, data, run_dir, out, seed, *, tokens, temperature, top_k):
     """`tokens` new tokens after the held-out text's first 16 (Shakespeare, or the run's --data), the
     context cropped to the model's block (nanoGPT's generate crops it the same way), half a block
     at a time."""
-    text = tasks.load_text(data, tuple(P.plays), P.block, out)
-    n = max(P.hd_ns)
-    cfg = HDConfig(**headline.backbone_cfg(P, text.vocab_size, layout=P.layout, window=P.window, n_streams=n))
+    text = tasks.load_text(data, tuple(preset.plays), preset.block, out)
+    n = max(preset.hd_ns)
+    cfg = HDConfig(**backbone_cfg(preset, text.vocab_size, layout=preset.layout, window=preset.window, n_streams=n))
     model = load(HiddenDecoding, cfg, run_dir / "ckpt" / f"hd_n_{n}_continued_s{seed}.pt")
     ids, g = text.split["val"][None, :16], torch.Generator().manual_seed(seed)
     prompt = len(ids[0])
     while ids.size(1) < prompt + tokens:
-        new = min(P.block // 2, prompt + tokens - ids.size(1))
-        ctx = ids[:, -(P.block - new):]
+        new = min(preset.block // 2, prompt + tokens - ids.size(1))
+        ctx = ids[:, -(preset.block - new):]
         more = generate(model, ctx, new, temperature, min(top_k, text.vocab_size), g)[:, ctx.size(1):]
         ids = torch.cat([ids, more], 1)
     return text.decode(ids[0, :prompt]), text.decode(ids[0, prompt:])
 
 
 @torch.no_grad()
-def tah_problem(P, run_dir, seed):
+def tah_problem(preset, run_dir, seed):
     """A lookup problem the model has not seen, through the decider-routed model: each query's
     answer (its prediction after the query token) and how many passes each token took."""
-    task = tasks.Lookups(P.symbols, P.queries, P.two_hop)
-    model = load(ThinkAtHard, headline.tah_config(P, task, P.tah_layers),
+    task = tasks.Lookups(preset.symbols, preset.queries, preset.two_hop)
+    model = load(ThinkAtHard, tah_config(preset, task, preset.tah_layers),
                  run_dir / "ckpt" / f"tah_TaH_stage_2_decider_s{seed}.pt")
     idx = task.problems(1, torch.Generator().manual_seed(10**6 + seed))
     out = model(idx, mode="decider")
@@ -73,28 +78,51 @@ def tah_problem(P, run_dir, seed):
     return pairs, lines
 
 
+def read_run(out):
+    """The preset, the run's folder and its --data from <out>/results.json, or one line saying why
+    that is no trained run of train_tiny.py's to sample from."""
+    path = out / "results.json"
+    why = f"error: {path} is missing or not the results of a train_tiny.py run: run python train_tiny.py --out {out}"
+    try:
+        results = json.loads(path.read_bytes().decode("utf-8"))
+        given = {k: tuple(v) if isinstance(v, list) else v for k, v in results["preset"].items()}
+        names = [f.name for f in fields(Preset)]
+        if sorted(given) != sorted(names):
+            raise ValueError("the preset's fields")
+        preset, run, data = Preset(**given), results["run"], results["data"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise SystemExit(why)
+    for f in fields(Preset):  # each field of the type it has in train_tiny.Preset, tuples of theirs
+        v, want = getattr(preset, f.name), type(f.default)
+        if type(v) is not want or want is tuple and not all(type(x) is type(f.default[0]) for x in v):
+            raise SystemExit(f"{why} (its preset's {f.name} is {v!r})")
+    if problem := check_preset(preset):
+        raise SystemExit(f"{why} ({problem})")
+    if not (isinstance(run, str) and re.fullmatch(r"run-[0-9a-f]{10}", run) and (out / run).is_dir()):
+        raise SystemExit(f"{why} (it names no run folder beside it: {run!r})")
+    if data is not None and not isinstance(data, str):
+        raise SystemExit(f"{why} (its data is {data!r})")
+    return preset, out / run, data
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out", help="the run's folder (train_tiny.py's --out)")
     ap.add_argument("--seed", type=int, default=0, help="whose models: the seed of the run's arms")
-    ap.add_argument("--tokens", type=int, default=200, help="text tokens to sample")
+    ap.add_argument("--tokens", type=int, default=200, help=f"text tokens to sample, at most {MAX_TOKENS:,}")
     ap.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     ap.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens")
     a = ap.parse_args(argv)
-    if a.tokens < 1 or a.temperature < 0 or a.top_k < 1 or a.seed < 0:
-        ap.error("--tokens and --top_k must be >= 1, --temperature and --seed >= 0")
+    if not (1 <= a.tokens <= MAX_TOKENS and 0 <= a.seed <= MAX_SEED and a.top_k >= 1 and 0 <= a.temperature < 1e6):
+        ap.error(f"--tokens must be in [1, {MAX_TOKENS:,}], --seed in [0, {MAX_SEED:,}], --top_k >= 1 and "
+                 "--temperature a number in [0, 1e6)")
     out = Path(a.out)
-    try:
-        results = json.loads((out / "results.json").read_text())
-        P, run_dir = SimpleNamespace(**results["preset"]), out / results["run"]
-    except (OSError, ValueError, KeyError):
-        raise SystemExit(f"error: {out / 'results.json'} is missing or not a run's results: run python "
-                         f"train_tiny.py --out {out} first")
+    preset, run_dir, data = read_run(out)
     torch.manual_seed(a.seed)
-    prompt, text = hd_text(P, results.get("data"), run_dir, out, a.seed, a.tokens, a.temperature, a.top_k)
-    print(f"HD n = {max(P.hd_ns)} ({run_dir.name}, seed {a.seed}): {a.tokens} tokens after a held-out prompt of 16 (up to |):"
-          f"\n\n{prompt}|{text}\n")
-    pairs, lines = tah_problem(P, run_dir, a.seed)
+    prompt, text = hd_text(preset, data, run_dir, out, a.seed, tokens=a.tokens, temperature=a.temperature, top_k=a.top_k)
+    print(f"HD n = {max(preset.hd_ns)} ({run_dir.name}, seed {a.seed}): {a.tokens} tokens after a held-out prompt of "
+          f"16 (up to |):\n\n{prompt}|{text}\n")
+    pairs, lines = tah_problem(preset, run_dir, a.seed)
     print(f"TaH under its decider, a new lookup problem: the pairs {pairs}, then each query's answer "
           f"(* = sent on to a second pass):")
     print("\n".join(lines))

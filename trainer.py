@@ -1,40 +1,39 @@
 """
 The trainer of train_tiny.py: one loop for every arm of every suite.
 
-The run's context (Run), a stage's budget (Stage), the batch stream (step `it`'s batch depends
-only on (seed, it, split): resuming and any world size see the same tokens), AdamW or Muon with
-warmup and cosine decay, gradient accumulation and torchrun's ranks, checkpoints that resume
-exactly, held-out evaluation. It knows nothing of the processes around it.
+A stage's budget (Stage), the batch stream (step `it`'s batch depends only on (seed, it, split):
+resuming and any world size see the same tokens), AdamW or Muon with warmup and cosine decay,
+gradient accumulation and torchrun's ranks, a checkpoint every few steps (lab/files.py: a killed
+run resumes exactly), held-out evaluation. Context is what every protocol and the loop read of
+the run around them; the processes, the folder and the command line are lab/runner.py's.
 """
 
 import contextlib
-import hashlib
-import io
 import math
-import re
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from hd import HiddenDecoding
+from lab import files, flops
 from moe import Transformer
-from tasks import atomic
 
 
 @dataclass(frozen=True)
-class Run:
-    """One run's context, made once (runner.Session), read by the trainer and the protocols."""
+class Context:
+    """What the protocols and the loop read of the run around them (made once, by lab/runner.py)."""
     run_dir: Path  # <out>/run-<key>: checkpoints, finished rows, the analyses kept with the run
     run_key: Optional[str] = None  # the configuration's key, carried by every checkpoint
     device: str = "cpu"
     seeds: range = range(1)
-    eval_split: str = "val"  # "dev" with --dev
-    eval_seed: int = 7919
-    every_arm: bool = False  # each suite's extra arms too (--suite all, --smoke)
+    eval_split: str = "val"  # "dev" with --dev: the split the results are evaluated on
+    eval_seed: int = 7919  # the seed of the synthetic tasks' held-out batches (--dev: another)
+    ablations: bool = False  # each suite's extra arms too (--suite all, --smoke: lab/ablations.py)
     muon: bool = False
     accum: int = 1  # gradient accumulation micro-steps
     compile: bool = False
@@ -42,11 +41,13 @@ class Run:
     ckpt_every: int = 50
 
 
-class Stage(NamedTuple):
+@dataclass(frozen=True)
+class Stage:
     """One stage: steps, peak learning rate, warm-up steps (then cosine to a tenth), and the global
     batch of `batch` sequences of `block` tokens."""
     steps: int
     lr: float
+    _: KW_ONLY
     warmup: int
     batch: int
     block: int
@@ -58,7 +59,9 @@ def rank_world():
 
 
 def log(*a):
-    if rank_world()[0] == 0:
+    """A line of the run's log, printed once: by rank 0 under torchrun (before its process group
+    is up, the RANK torchrun gives)."""
+    if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK") or 0)) == 0:
         print(*a, flush=True)
 
 
@@ -98,27 +101,27 @@ def lr_at(it, stage):
     return stage.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
-def train(name, model, loss_fn, data, stage, run, seed, on_step=None, first_batch=0):
+def train(name, model, loss_fn, data, stage, ctx, seed, on_step=None, first_batch=0):
     """Train `model` for stage.steps steps of loss_fn(model, x, y) on the seed's batches from step
     first_batch on (a later stage passes the steps before it), checkpointing every
-    run.ckpt_every steps and resuming from a checkpoint. Returns the losses, one per step."""
-    ckpt = run.run_dir / "ckpt" / f"{file_name(name)}_s{seed}.pt"
-    opts = make_optimizer(model, stage.lr, run.muon)
-    meta = dict(arm=name, seed=seed, iters=stage.steps, run=run.run_key)
-    start, losses = resume(ckpt, model, opts, run.device, meta)
-    step = MicroSteps(name, model, loss_fn, stage, run, seed)
+    ctx.ckpt_every steps and resuming from a checkpoint. Returns the losses, one per step."""
+    ckpt = files.checkpoint_path(ctx, name, seed)
+    opts = make_optimizer(model, stage.lr, ctx.muon)
+    meta = dict(arm=name, seed=seed, iters=stage.steps, run=ctx.run_key)
+    start, losses = files.resume(ckpt, model, opts, ctx.device, meta)
+    step = MicroSteps(model, loss_fn, ctx, stage=stage, label=f"{name} s{seed}")
     if 0 < start < stage.steps:
         log(f"[{name} s{seed}] resuming at step {start}")
     log(f"[{name} s{seed}] {stage.steps} steps, lr {stage.lr:g}, batch {stage.batch}")
-    if run.device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats(run.device)  # each stage's line gives its own peak
+    if ctx.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(ctx.device)  # each stage's line gives its own peak
     t0 = time.perf_counter()
     for it in range(start, stage.steps):
         for o in opts:  # the learning rate of step it
             for g in o.param_groups:
                 g["lr"] = lr_at(it, stage)
-        if it > start and it % run.ckpt_every == 0:  # the state after `it` steps
-            checkpoint(ckpt, name, seed, it, model, opts, losses, meta)
+        if it > start and it % ctx.ckpt_every == 0:  # the state after `it` steps
+            files.save_checkpoint(ckpt, model, opts, it, losses, meta)
         x, y = data.batch("train", stage.batch, stage.block, batch_gen(seed, first_batch + it, "train"))
         losses.append(step(x, y))  # forward and backward, summed over ranks
         torch.nn.utils.clip_grad_norm_(step.params, 1.0)
@@ -128,13 +131,13 @@ def train(name, model, loss_fn, data, stage, run, seed, on_step=None, first_batc
         if step.trains_backbone:
             backbone_of(model).update_router_bias()  # loss-free balancing, after the step
         step.check_finite(losses[-1], it)
-        if (it + 1) % run.log_every == 0 or it + 1 == stage.steps:
+        if (it + 1) % ctx.log_every == 0 or it + 1 == stage.steps:
             log_step(name, seed, it + 1, stage, losses[-1], (time.perf_counter() - t0) / (it + 1 - start), model,
-                     run.device)
+                     ctx.device)
         if on_step is not None:
             on_step(it + 1)
     if start < stage.steps:
-        checkpoint(ckpt, name, seed, stage.steps, model, opts, losses, meta)
+        files.save_checkpoint(ckpt, model, opts, stage.steps, losses, meta)
     return losses
 
 
@@ -143,30 +146,30 @@ class MicroSteps:
     piece's mean loss weighted by its share of the rows, gradients summed over ranks: the global
     batch's mean loss at any world size. Returns the step's loss."""
 
-    def __init__(self, name, model, loss_fn, stage, run, seed):
-        self.name, self.loss_fn, self.stage, self.run, self.seed = name, loss_fn, stage, run, seed
+    def __init__(self, model, loss_fn, ctx, *, stage, label):
+        self.loss_fn, self.ctx, self.stage, self.label = loss_fn, ctx, stage, label
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.trains_backbone = any(p.requires_grad for p in backbone_of(model).parameters())
         self.rank, self.world = rank_world()
-        if stage.batch < self.world * run.accum:
-            raise SystemExit(f"error: batch {stage.batch} has fewer rows than {self.world} ranks x {run.accum} "
+        if stage.batch < self.world * ctx.accum:
+            raise SystemExit(f"error: batch {stage.batch} has fewer rows than {self.world} ranks x {ctx.accum} "
                              f"micro-steps")
-        self.autocast = (torch.autocast("cuda", torch.bfloat16) if run.device.startswith("cuda") else
+        self.autocast = (torch.autocast("cuda", torch.bfloat16) if ctx.device.startswith("cuda") else
                          contextlib.nullcontext())
-        self.fwd_model = compiled(model) if run.compile else model  # shares the weights
+        self.fwd_model = compiled(model) if ctx.compile else model  # shares the weights
 
     def __call__(self, x, y):
-        total = sum(self.micro_step(x, y, m) for m in range(self.run.accum))
-        return sum_over_ranks(self.params, total, self.run.device) if self.world > 1 else total
+        total = sum(self.micro_step(x, y, m) for m in range(self.ctx.accum))
+        return sum_over_ranks(self.params, total, self.ctx.device) if self.world > 1 else total
 
     def check_finite(self, loss, it):
         if not math.isfinite(loss):
-            raise SystemExit(f"error: [{self.name} s{self.seed}] loss is {loss} at step {it + 1}; nothing after it "
+            raise SystemExit(f"error: [{self.label}] loss is {loss} at step {it + 1}; nothing after it "
                              f"is reported (try a lower lr)")
 
     def micro_step(self, x, y, m):
         """Forward and backward of this rank's rows of micro-step m."""
-        B, dev, pieces = self.stage.batch, self.run.device, self.world * self.run.accum
+        B, dev, pieces = self.stage.batch, self.ctx.device, self.world * self.ctx.accum
         lo, hi = batch_piece(m * self.world + self.rank, pieces, B)  # this rank's rows of the global batch
         x, y = x[lo:hi], y[lo:hi]
         if dev.startswith("cuda"):  # from pinned memory, so the copy does not wait on the host
@@ -209,116 +212,29 @@ def compiled(model):
     return model.compile_passes(True)
 
 
-def checkpoint(ckpt, name, seed, done, model, opts, losses, meta):
-    """Save after step `done`, refusing non-finite weights (a finite loss can still leave them)."""
-    if not all(torch.isfinite(p).all() for p in model.parameters() if p.requires_grad):
-        raise SystemExit(f"error: [{name} s{seed}] the weights are not finite after step {done}; nothing "
-                         f"of this arm is saved or reported (try a lower lr)")
-    if rank_world()[0] == 0:
-        save(ckpt, model, opts, done, losses, meta)
-
-
-def file_name(arm):
-    """An arm's name as a file name ("hd/n=2 continued" -> "hd_n_2_continued"); a checkpoint names
-    its arm, so two arms meeting in one name are caught on loading."""
-    return re.sub(r"[^A-Za-z0-9]+", "_", arm).strip("_")
-
-
-def loss_curves(run_dir):
-    """(suite, arm) -> per-seed training losses, from the checkpoints' own record."""
-    curves = {}
-    for f in sorted((run_dir / "ckpt").glob("*.pt")):
-        state = load_checkpoint(f)
-        suite, arm = state["meta"]["arm"].split("/", 1)
-        curves.setdefault((suite, arm), []).append(state["losses"])
-    return curves
-
-
-def load_checkpoint(ckpt, dev="cpu"):
-    """A checkpoint's state, after checking the sha256 of its bytes (written by save)."""
-    raw = ckpt.read_bytes()
-    digest, payload = raw[:64], raw[65:]
-    if hashlib.sha256(payload).hexdigest().encode() != digest:
-        raise SystemExit(f"error: checkpoint {ckpt} is damaged (its checksum does not match its contents); "
-                         f"delete it to train this arm again, or run with --fresh")
-    try:
-        return torch.load(io.BytesIO(payload), map_location=dev, weights_only=False)
-    except Exception as e:
-        raise SystemExit(f"error: checkpoint {ckpt} cannot be read ({type(e).__name__}); delete it to train "
-                         f"this arm again, or run with --fresh")
-
-
-def resume(ckpt, model, opts, dev, meta):
-    """A checkpoint loaded into model and optimizers, if one exists: (first step, losses so far);
-    it must be this arm's, intact and finite."""
-    if not ckpt.exists():
-        return 0, []
-    state = load_checkpoint(ckpt, dev)
-    fix = "delete it to train this arm again, or run with --fresh"
-    if state.get("meta") != meta or not 0 < state.get("iter", 0) <= meta["iters"]:
-        raise SystemExit(f"error: checkpoint {ckpt} holds {state.get('meta')} at step {state.get('iter')}, "
-                         f"not {meta}; {fix}")
-    try:
-        model.load_state_dict(state["model"])
-        for o, s in zip(opts, state["opts"]):
-            o.load_state_dict(s)
-    except Exception as e:
-        raise SystemExit(f"error: checkpoint {ckpt} cannot be resumed ({type(e).__name__}); {fix}")
-    if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
-        raise SystemExit(f"error: checkpoint {ckpt} holds non-finite weights; {fix}")
-    return state["iter"], state["losses"]
-
-
-def save(ckpt, model, opts, done, losses, meta):
-    """Atomically: the state and what it belongs to (meta), after the sha256 of its bytes."""
-    ckpt.parent.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opts": [o.state_dict() for o in opts], "iter": done,
-                "losses": losses, "meta": meta}, buf)
-    payload = buf.getvalue()
-    atomic(ckpt, lambda f: f.write(hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload))
-
-
 def log_step(name, seed, done, stage, loss, dt, model, dev):
     """A step's line: loss, time and tokens per step, on CUDA MFU and peak memory, the stage's time left."""
     tok = stage.batch * stage.block / dt
     mfu = ""
     if dev.startswith("cuda"):  # model FLOPs per token (as nanoGPT's estimate_mfu), vs 989 TFLOP/s bf16 (H100/H200)
-        mfu = (f" | mfu {flops_per_token(model, stage.block) * tok / 989e12:.2%} | peak memory "
+        mfu = (f" | mfu {flops.per_token(model, stage.block) * tok / 989e12:.2%} | peak memory "
                f"{torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB")
     log(f"[{name} s{seed}] step {done}/{stage.steps} | loss {loss:.4f} | {dt * 1e3:.0f} ms/step | "
         f"{tok / 1e3:.1f}k tok/s{mfu} | stage ~{(stage.steps - done) * dt / 60:.1f} min left")
 
 
-def flops_per_token(model, T):
-    """Training FLOPs per token (3x forward): 6 per weight a row passes through (top_k of the
-    routed experts, no embedding lookups) plus attention's, times the rows a token becomes (HD: n;
-    TaH: the first pass only)."""
-    body = backbone_of(model)
-    cfg = body.cfg
-    n = getattr(cfg, "n_streams", 1)
-    per_row = 0
-    for name, p in body.named_parameters():
-        if "wte" in name or p.ndim < 2:
-            continue
-        share = cfg.top_k / cfg.n_experts if name.endswith(("w_gate_up", "w_down")) else 1.0
-        per_row += share * p.numel()
-    attention = 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * (n * T) / 2
-    return n * (6 * per_row + attention)
-
-
 @torch.no_grad()
-def evaluate(model, data, P, run, fwd=None):
-    """Held-out loss and accuracy over the whole split (dev with --dev) in windows of P.block
-    tokens, P.batch at a time: every target once, the same for every arm. fwd(model, x, y) ->
+def evaluate(model, data, preset, ctx, fwd=None):
+    """Held-out loss and accuracy over the whole split (dev with --dev) in windows of preset.block
+    tokens, preset.batch at a time: every target once, the same for every arm. fwd(model, x, y) ->
     (logits, loss)."""
     model.eval()
     fwd = fwd or (lambda m, x, y: m(x, y)[:2])
-    xs, ys = data.windows(run.eval_split, P.block)
+    xs, ys = data.windows(ctx.eval_split, preset.block)
     total, hits, count = 0.0, 0, 0
-    starts = range(0, len(xs), P.batch)
+    starts = range(0, len(xs), preset.batch)
     for i in starts:
-        x, y = xs[i:i + P.batch].to(run.device), ys[i:i + P.batch].to(run.device)
+        x, y = xs[i:i + preset.batch].to(ctx.device), ys[i:i + preset.batch].to(ctx.device)
         logits, loss = fwd(model, x, y)
         keep = y != -1
         n = keep.sum().item()

@@ -1,18 +1,19 @@
 """
-The verdicts and the report of train_tiny.py, from result rows alone.
+The report of train_tiny.py, from result rows alone: the rows' vocabulary (Effect, Arm, Claim,
+result_rows), the tables (a markdown table per effect: mean ± std over seeds, the paired difference
+to its first arm), the verdicts' table (judged by protocols.judge), the 95% intervals, and claims
+pooled over a grid of cells (RESULTS.md).
 
 A row is {effect, effect_id, paper, arm, arm_id, metric, seed, value}; claims match on the ids,
-the tables show the labels. A Claim says an arm differs from a baseline (an arm, or a number)
-in one metric with the paper's sign; one rule (RULE) on the per-seed paired differences says
-"shown" or "not shown". The report: a markdown table per effect, then the verdicts.
+the tables show the labels.
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import numpy as np
 
-from tasks import atomic
+from lab.files import atomic
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class Claim:
     name: str
     effect: Effect
     arm: Arm
+    _: KW_ONLY
     baseline: object
     metric: str
     sign: int
@@ -56,35 +58,6 @@ class Claim:
                 and isinstance(self.baseline, (Arm, int, float))):
             raise TypeError(f"claim {self.name!r}: an Effect, an Arm and a baseline Arm or number, got "
                             f"{type(self.effect).__name__}, {type(self.arm).__name__}, {type(self.baseline).__name__}")
-
-
-RULE = ("shown: over >= 2 seeds, the paired difference has the paper's sign in every seed and its mean "
-        "exceeds twice its standard deviation across seeds; otherwise not shown")
-
-
-def verdict(deltas, sign):
-    """The rule (RULE) on per-seed paired differences and the paper's direction (+1 or -1)."""
-    if type(sign) is not int or sign not in (1, -1):
-        raise ValueError(f"sign must be the int +1 or -1 (the paper's direction), got {sign!r}")
-    d = finite_reals(deltas, "deltas")
-    if len(d) < 2:
-        return "not shown"
-    right_sign = np.all(np.sign(d) == sign)
-    return "shown" if right_sign and abs(d.mean()) > 2 * d.std(ddof=1) else "not shown"
-
-
-def finite_reals(values, name):
-    """values as a 1-D float array, or one line saying why they are not finite reals."""
-    if isinstance(values, np.ndarray):
-        ok = values.ndim == 1 and values.dtype.kind in "fiu"
-    else:
-        ok = isinstance(values, (list, tuple)) and all(
-            isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) for v in values)
-    if not ok or not np.all(np.isfinite(np.asarray(values, dtype=float))):
-        raise ValueError(f"{name} must be finite real numbers in one dimension, got {values!r}")
-    if len(values) == 0:
-        raise ValueError(f"{name} is empty: there is nothing to judge")
-    return np.asarray(values, dtype=float)
 
 
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -116,7 +89,10 @@ def pooled(runs):
         raise ValueError("pooled needs at least one (machine, seed, delta) run: the pool is empty")
     units = {}
     for machine, seed, d in runs:
-        units.setdefault((machine, seed), set()).add(float(finite_reals([d], "a run's delta")[0]))
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, float, np.integer, np.floating)) \
+                or not np.isfinite(d):
+            raise ValueError(f"a run's delta must be a finite real number, got {d!r}")
+        units.setdefault((machine, seed), set()).add(float(d))
     v = [float(np.mean(sorted(ds))) for ds in units.values()]
     return dict(n=len(v), mean=float(np.mean(v)), std=float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
                 interval95=interval95(v))
@@ -130,34 +106,6 @@ def pooled_cells(cells):
     ss = sum((k - 1) * s ** 2 + k * (m - mean) ** 2 for k, m, s in cells)
     std = float(np.sqrt(ss / (n - 1)))
     return dict(n=n, mean=float(mean), std=std, interval95=t_interval(mean, std, n))
-
-
-def claim_deltas(rows, claim):
-    """Per-seed differences for a claim, from the rows, matched by the effect's and arms' ids."""
-    val = {(r["arm_id"], r["metric"], r["seed"]): r["value"] for r in rows if r["effect_id"] == claim.effect.id}
-    arm, m = claim.arm.id, claim.metric
-    seeds = sorted({s for (a, _, s) in val if a == arm})
-    if not isinstance(claim.baseline, Arm):  # a target number
-        return [val[(arm, m, s)] - claim.baseline for s in seeds if (arm, m, s) in val]
-    base = claim.baseline.id
-    return [val[(arm, m, s)] - val[(base, m, s)] for s in seeds if (arm, m, s) in val and (base, m, s) in val]
-
-
-def judge(rows, claims):
-    """Every claim whose suite ran, by the rule; a claim whose arms have no rows is an error (a bug)."""
-    out, ran = [], {r["effect_id"] for r in rows}
-    for c in claims:
-        if c.effect.id not in ran:
-            continue
-        d = claim_deltas(rows, c)
-        if not d:
-            raise ValueError(f"claim {c.name!r} finds no {c.metric!r} rows of arm {c.arm.id!r} against "
-                             f"{getattr(c.baseline, 'id', c.baseline)!r} in effect {c.effect.id!r}")
-        out.append(dict(claim=c.name, metric=c.metric, deltas=d, mean=float(np.mean(d)),
-                        std=float(np.std(d, ddof=1)) if len(d) > 1 else 0.0, interval95=interval95(d),
-                        verdict=verdict([x + c.sign * c.margin for x in d], c.sign) if np.all(np.isfinite(d))
-                        else "not shown"))  # a seed without a value (a rate over no tokens) shows nothing
-    return out
 
 
 # -----------------------------------------------------------------------------
@@ -210,7 +158,7 @@ def fmt(metric, x):
     return f"{x:.0f}" if is_count(metric) else f"{x:.4f}"
 
 
-def table(summary, verdicts, header):
+def table(summary, verdicts, header, rule):
     """One table per effect (mean ± std over seeds, the paired difference to its first arm), then
     the verdicts."""
     lines = [header]
@@ -240,7 +188,7 @@ def table(summary, verdicts, header):
                 row.append(cell)
             lines.append(f"| {arm} | " + " | ".join(row) + " |")
     if verdicts:
-        lines += ["", f"**Verdicts** ({RULE}; Δ = arm - baseline, paired by seed)", "",
+        lines += ["", f"**Verdicts** ({rule}; Δ = arm - baseline, paired by seed)", "",
                   "| claim | metric | Δ mean ± std | mean / std | 95% interval (t) | per seed | verdict |",
                   "|---|---|---|---|---|---|---|"]
         if all(len(v["deltas"]) < 2 for v in verdicts):
@@ -279,17 +227,17 @@ def trace_table(trace, names, describe):
 # The report of a run
 
 
-def write_report(rows, claims, header, run, out, meta, inside, brief=False):
-    """<out>/results.md and results.json (meta, the rule, summary, verdicts) from the rows alone,
-    with the first seed's analyses (`inside`: file -> title); prints the tables (brief: one line).
-    Returns the summary, which the figures read."""
-    summary, verdicts = summarize(rows), judge(rows, claims)
-    kept = [(f, title) for f, title in inside.items() if (run.run_dir / "inside" / f).exists()]
-    md = table(summary, verdicts, header) + "".join(
-        f"\n\n**{title}**, seed {run.seeds[0]}\n\n" + (run.run_dir / "inside" / f).read_text() for f, title in kept)
+def write_report(rows, verdicts, out, *, header, rule, meta, inside, brief=False):
+    """<out>/results.md and results.json (meta, the rule, summary, verdicts) from the rows and their
+    verdicts, with the first seed's analyses (`inside`: path -> title, those that exist); prints
+    the tables (brief: one line). Returns the summary, which the figures read."""
+    summary = summarize(rows)
+    md = table(summary, verdicts, header, rule) + "".join(
+        f"\n\n**{title}**\n\n" + path.read_text() for path, title in inside.items()
+        if path.exists())
     atomic(out / "results.md", lambda f: f.write((md + "\n").encode()))
     atomic(out / "results.json", lambda f: f.write(json.dumps(
-        {**meta, "rule": RULE, "summary": summary, "verdicts": verdicts}, indent=1).encode()))
+        {**meta, "rule": rule, "summary": summary, "verdicts": verdicts}, indent=1).encode()))
     shown = f"{sum(v['verdict'] == 'shown' for v in verdicts)} of {len(verdicts)} claims shown"
     print(("\n" + md if not brief else f"\n{len(rows)} rows of {len(summary)} (effect, arm, metric)s; {shown} (a "
            f"plumbing check decides nothing)") + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}", flush=True)

@@ -1,13 +1,14 @@
 """
-The machinery of train_tiny.py, behind two calls:
+The machinery around train_tiny.py's main, one job a section:
 
-    with runner.Session(argv, ...) as run:     # the command line, torchrun, the run's folder, Ctrl-C
-        run.train(work, suite, seed, data)     # each (suite, seed): here, or in a --jobs process
+    flags = runner.parse_flags(argv, ...)      # the command line, checked whole before anything is written
+    with runner.open_run(flags) as jobs:       # torchrun, the run's folder and its finished rows;
+        jobs.train(work, suite=, seed=, data=) # each (suite, seed) here, or in a --jobs process
+        rows = jobs.wait()                     # every row, saved as each (suite, seed) finished
 
-A Session checks the command line whole before anything trains, opens the run's folder (keyed
-by everything that can change a result, so a killed run resumes), skips the (suite, seed)s
-already done, saves each one's rows as it finishes and says the run's time left from the pace
-so far. Ctrl-C and file-system errors end it with one line.
+The run's folder is keyed by everything that can change a result, so a killed run resumes: the
+(suite, seed)s already done are skipped. Each finished (suite, seed) says the run's time left from
+the pace so far. Ctrl-C and file-system errors end the run with one line.
 """
 
 import argparse
@@ -23,18 +24,21 @@ import shutil
 import signal
 import socket
 import sys
-import threading
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from tasks import atomic
-from trainer import Run
+from lab import startup
+from lab.files import load_rows, save_rows
+from trainer import Context, log
 
 MAX_SEED0 = (2**63 - 1 - 2 * 10**9) // 1_000_003 - 10**6  # room for 10^6 seeds and 10^9 steps
+MAX_THREADS = 4096  # --threads and --jobs: CPU threads and processes
+MAX_EVERY = 10**9  # --log_every, --ckpt_every, --accum
+EVAL_SEED = {"val": 7919, "dev": 104729}  # the seed of the synthetic tasks' held-out batches, per split
 
 
 # -----------------------------------------------------------------------------
@@ -86,18 +90,45 @@ def start_ddp(device, timeout=60):
     return device
 
 
-def log(*a):
-    if MASTER:
-        print(*a, flush=True)
-
-
 # -----------------------------------------------------------------------------
 # The command line
+
+
+@dataclass(kw_only=True)
+class Flags:
+    """The command line, checked: the preset with its overrides, the suites and seeds, and the
+    context every protocol reads (ctx; its run_dir comes when the run opens)."""
+    preset: object
+    preset_name: str
+    suites: list
+    order: list  # every suite, in the report's order
+    seeds: range
+    out: Path
+    data: str
+    jobs: int
+    threads: int
+    smoke: bool
+    fresh: bool
+    ctx: Context
+    command: str
+    machine: str
+    world: int = WORLD
+    master: bool = MASTER
 
 
 def flag_form(value):
     """A preset value as the flag takes it: a tuple as a comma list (empty: '')."""
     return (",".join(map(str, value)) or "''") if isinstance(value, tuple) else str(value)
+
+
+def comma_list(kind, flag):
+    """argparse's type for a tuple flag: a comma list of `kind`, one line naming the flag if not."""
+    def parse(text):
+        try:
+            return tuple(kind(x) for x in text.split(",") if x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--{flag} takes a comma list of {kind.__name__}s, got {text!r}")
+    return parse
 
 
 def parser(doc, presets, suites, headline):
@@ -125,7 +156,8 @@ def parser(doc, presets, suites, headline):
     arg("--jobs", type=int,
         help="(suite, seed)s trained at once, each in a process of its own; the numbers do not depend on it "
              "(default: the usable cores // --threads, on a CPU and on one GPU, whose launch-bound tiny steps leave "
-             "it idle otherwise; under torchrun 1)")
+             "it idle otherwise; under torchrun 1). --jobs 1 runs everything in this one process, where "
+             "breakpoint() works")
     arg("--seed0", type=int, default=0, help="the first seed: a run trains seeds seed0 .. seed0 + seeds - 1 (default: 0)")
     arg("--fresh", action="store_true",
         help="delete this configuration's checkpoints and finished rows first, and train everything again")
@@ -133,11 +165,11 @@ def parser(doc, presets, suites, headline):
     group = ap.add_argument_group("preset overrides (default: the preset's value): the budget, nanoGPT style "
                                   "(--n_layer=4, --plays=macbeth,hamlet)")
     for f in fields(presets["default"]):
-        kind, one = type(f.default), type(f.default[0]) if isinstance(f.default, tuple) else None
+        kind = type(f.default)
         values = ", ".join(f"{k} {flag_form(getattr(p, f.name))}" for k, p in presets.items())
         what = f.metadata.get("help")
-        group.add_argument(f"--{f.name}", type=(lambda v, one=one: tuple(one(x) for x in v.split(",") if x)) if one
-                           else kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+        group.add_argument(f"--{f.name}", type=comma_list(type(f.default[0]), f.name) if kind is tuple else kind,
+                           default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
                            help=f"{what}; preset {values}" if what else f"preset {values}")
     return ap
 
@@ -158,9 +190,10 @@ def check_flags(a, names, suites, text_suites):
         return "--out must name a folder, and --out and --data must be UTF-8 paths"
     if a.data and not set(names) & set(text_suites):
         return f"--data feeds the suites that train on text ({', '.join(text_suites)}); this run has none"
-    for k in ("accum", "log_every", "ckpt_every", "threads", "jobs"):
-        if getattr(a, k) is not None and getattr(a, k) < 1:
-            return f"--{k} must be >= 1, got {getattr(a, k)}"
+    for k, most in (("accum", MAX_EVERY), ("log_every", MAX_EVERY), ("ckpt_every", MAX_EVERY),
+                    ("threads", MAX_THREADS), ("jobs", MAX_THREADS)):
+        if getattr(a, k) is not None and not 1 <= getattr(a, k) <= most:
+            return f"--{k} must be an int in [1, {most:,}], got {getattr(a, k)}"
     if DDP and (a.jobs or 1) > 1:
         return "--jobs trains in processes of its own; under torchrun give --jobs 1 (each rank is one process)"
     if not 0 <= a.seed0 <= MAX_SEED0:  # trainer.batch_gen: seed * 1_000_003 + 2 * step + 1 must fit a 64-bit seed
@@ -185,14 +218,49 @@ def is_utf8(path):
     return not any(0xDC80 <= ord(c) <= 0xDCFF for c in path)  # a byte that is not UTF-8 arrives as a surrogate escape
 
 
+def parse_flags(argv, *, doc, presets, suites, headline, text_suites, check):
+    """The command line checked whole, before anything is written: Flags, or one line and exit 2.
+    presets: name -> Preset; suites: every suite, in the report's order; headline: those a plain
+    run trains; text_suites: those that read the text; check(preset, **sizes): lab/presets.py's."""
+    ap = parser(doc, presets, suites, headline)
+    a = ap.parse_args(argv)
+    names = {"headline": list(suites) if a.smoke else list(headline), "all": list(suites)}.get(
+        a.suite, a.suite.split(","))  # --smoke: every code path
+    if problem := check_flags(a, names, suites, text_suites):
+        ap.error(problem)
+    preset_name = "smoke" if a.smoke else a.preset or "default"
+    preset = replace(presets[preset_name], **{f.name: getattr(a, f.name) for f in fields(presets[preset_name])
+                                             if hasattr(a, f.name)})
+    jobs = a.jobs or (1 if DDP else max(1, usable_cores() // a.threads))  # on one GPU too: the processes share it
+    if problem := check(preset, device=a.device, suites=names, text_suites=text_suites, world=WORLD, accum=a.accum,
+                        sharing=min(jobs, len(names) * preset.seeds)):
+        ap.error(problem)
+    seeds, split = range(a.seed0, a.seed0 + preset.seeds), "dev" if a.dev else "val"
+    ctx = Context(Path(), device=a.device, seeds=seeds, eval_split=split, eval_seed=EVAL_SEED[split],
+                  ablations=a.suite == "all" or a.smoke, muon=a.muon, accum=a.accum, compile=a.compile,
+                  log_every=a.log_every, ckpt_every=a.ckpt_every)
+    launch = f"torchrun --nproc_per_node={WORLD} train_tiny.py" if DDP else "python train_tiny.py"
+    machine = (torch.cuda.get_device_name() if a.device.startswith("cuda") else
+               f"CPU ({os.cpu_count()} cores; --jobs {jobs}, --threads {a.threads})") + (f", world size {WORLD}" if DDP
+                                                                                         else "")
+    return Flags(preset=preset, preset_name=preset_name, suites=names, order=list(suites), seeds=seeds,
+                 out=Path(a.out), data=a.data, jobs=jobs, threads=a.threads, smoke=a.smoke, fresh=a.fresh, ctx=ctx,
+                 command=" ".join([launch] + (sys.argv[1:] if argv is None else argv)), machine=machine)
+
+
+# -----------------------------------------------------------------------------
+# The run's folder: keyed by everything that can change a result, holding its finished rows
+
+
 # Every process of a run: a compiled function (CUDA's flex, --compile's models) that meets dynamo's
 # recompile limit stops the run, instead of falling back with a warning to eager (for flex: the unfused
 # kernel). The limit allows a graph per arm configuration (--suite all: TaH's passes take 28).
 DYNAMO = dict(fail_on_recompile_limit_hit=True, recompile_limit=64)
 
-HERE = Path(__file__).resolve().parent
-SOURCES = ("moe.py", "hd.py", "tah.py", "checks.py", "tasks.py", "trainer.py", "report.py", "figures.py", "inside.py",
-           "headline.py", "ablations.py", "runner.py", "train_tiny.py")  # all that can change a result
+HERE = Path(__file__).resolve().parent.parent
+SOURCES = ("moe.py", "hd.py", "tah.py", "checks.py", "tasks.py", "trainer.py", "protocols.py", "train_tiny.py",
+           "lab/ablations.py", "lab/inside.py", "lab/report.py", "lab/figures.py", "lab/files.py", "lab/tokens.py",
+           "lab/flops.py", "lab/presets.py", "lab/runner.py", "lab/startup.py")  # all that can change a result
 
 
 def set_up_torch(threads):
@@ -200,106 +268,116 @@ def set_up_torch(threads):
     torch.set_num_threads(threads)
 
 
-# -----------------------------------------------------------------------------
-# The session
+def run_key(flags):
+    """The configuration's key: the preset, every flag that changes a number, the code and the data."""
+    code = [hashlib.sha256((HERE / f).read_bytes()).hexdigest() for f in SOURCES]
+    data = hashlib.sha256(Path(flags.data).read_bytes()).hexdigest() if flags.data else None
+    c = flags.ctx
+    return hashlib.sha256(json.dumps([asdict(flags.preset), c.muon, c.accum, c.device, flags.threads, c.eval_split,
+                                      data, code, c.ablations, c.compile, c.seeds.start, WORLD]).encode()).hexdigest()[:10]
 
 
-class Session:
-    """One invocation of train_tiny.py, made from the command line (checked whole, before anything
-    is written): P (the preset with its overrides), suites, seeds and the flags as attributes.
-    Entered, it opens the run (`run`, the trainer's context) and its finished rows (`rows`).
+def open_folder(flags):
+    """The run's folder <out>/run-<key> (made, or emptied with --fresh), swept of a killed run's
+    temporaries: the trainer's context with it, and the rows it holds already."""
+    flags.out.mkdir(parents=True, exist_ok=True)
+    for tmp in flags.out.glob("*.tmp"):  # results or a token cache of a run killed mid-write
+        tmp.unlink(missing_ok=True)
+    key = run_key(flags)
+    run_dir = flags.out / f"run-{key}"
+    if flags.fresh and MASTER and run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(exist_ok=True)
+    for tmp in run_dir.rglob("*.tmp"):  # left by a run killed mid-write
+        tmp.unlink(missing_ok=True)
+    return replace(flags.ctx, run_dir=run_dir, run_key=key), load_rows(run_dir / "rows.json", key)
 
-    presets: name -> Preset; suites: every suite, in the report's order; headline: those a plain
-    run trains; text_suites: those that read the text; check(P, device, suites, world, accum):
-    a preset's first problem as one line, or None."""
 
-    def __init__(self, argv, doc, presets, suites, headline, text_suites, check):
-        ap = parser(doc, presets, suites, headline)
-        a = ap.parse_args(argv)
-        names = {"headline": list(suites) if a.smoke else list(headline), "all": list(suites)}.get(
-            a.suite, a.suite.split(","))  # --smoke: every code path
-        if problem := check_flags(a, names, suites, text_suites):
-            ap.error(problem)
-        self.preset_name = "smoke" if a.smoke else a.preset or "default"
-        P = presets[self.preset_name]
-        self.P = replace(P, **{f.name: getattr(a, f.name) for f in fields(P) if hasattr(a, f.name)})
-        self.jobs = a.jobs or (1 if DDP else max(1, usable_cores() // a.threads))  # one GPU too: processes share it
-        if problem := check(self.P, a.device, names, WORLD, a.accum, min(self.jobs, len(names) * self.P.seeds)):
-            ap.error(problem)
-        self.suites, self.seeds, self.out, self.data, self.device = names, range(a.seed0, a.seed0 + self.P.seeds), \
-            Path(a.out), a.data, a.device
-        self.every_arm, self.smoke, self.fresh = a.suite == "all" or a.smoke, a.smoke, a.fresh
-        self.threads, self.order, self.world, self.master = a.threads, list(suites), WORLD, MASTER
-        self.run = Run(Path(), None, a.device, self.seeds, *(("dev", 104729) if a.dev else ("val", 7919)),
-                       self.every_arm, a.muon, a.accum, a.compile, a.log_every, a.ckpt_every)
-        launch = f"torchrun --nproc_per_node={WORLD} train_tiny.py" if DDP else "python train_tiny.py"
-        self.command = " ".join([launch] + (sys.argv[1:] if argv is None else argv))
-        self.machine = (torch.cuda.get_device_name() if a.device.startswith("cuda") else
-                        f"CPU ({os.cpu_count()} cores; --jobs {self.jobs}, --threads {self.threads})") + \
-            (f", world size {WORLD}" if DDP else "")
-        self.rows, self.running, self.took, self.stack = [], {}, {}, contextlib.ExitStack()
-
-    def __enter__(self):
-        try:
-            self.open()
-        except BaseException as e:
-            self.__exit__(type(e), e, None)
-            raise
-        return self
-
-    def open(self):
-        """The process group, the run's folder (swept of a killed run's temporaries), its rows."""
+@contextlib.contextmanager
+def open_run(flags):
+    """The run, entered: torchrun's process group, dynamo's limits, the folder and its finished rows,
+    the job pool (Jobs). On the way out the last --jobs processes are waited for; an error or Ctrl-C
+    stops the others, and Ctrl-C and file-system errors become one line."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Ctrl-C saves what finished, then one line
+    stack = contextlib.ExitStack()
+    jobs = None
+    try:
         if DDP:
-            self.device = start_ddp(self.device)
-            self.run = replace(self.run, device=self.device)
-        self.stack.enter_context(torch._dynamo.config.patch(**DYNAMO))
-        self.out.mkdir(parents=True, exist_ok=True)
-        for tmp in self.out.glob("*.tmp"):  # results or a token cache of a run killed mid-write
-            tmp.unlink(missing_ok=True)
-        set_up_torch(self.threads)
-        code = [hashlib.sha256((HERE / f).read_bytes()).hexdigest() for f in SOURCES]
-        data = hashlib.sha256(Path(self.data).read_bytes()).hexdigest() if self.data else None
-        r = self.run
-        key = hashlib.sha256(json.dumps([asdict(self.P), r.muon, r.accum, r.device, self.threads, r.eval_split, data,
-                                         code, r.every_arm, r.compile, r.seeds.start, WORLD]).encode())
-        run_dir = self.out / f"run-{key.hexdigest()[:10]}"
-        if self.fresh and MASTER and run_dir.exists():
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(exist_ok=True)
-        for tmp in run_dir.rglob("*.tmp"):  # left by a run killed mid-write
-            tmp.unlink(missing_ok=True)
-        self.run = replace(r, run_dir=run_dir, run_key=key.hexdigest()[:10])
-        self.rows = load_rows(run_dir / "rows.json", self.run.run_key)
-        done = {(r["suite"], r["seed"]) for r in self.rows}
-        self.todo = [(s, k) for s in self.suites for k in self.seeds if (s, k) not in done]
+            flags = replace(flags, ctx=replace(flags.ctx, device=start_ddp(flags.ctx.device)))
+        stack.enter_context(torch._dynamo.config.patch(**DYNAMO))
+        set_up_torch(flags.threads)
+        ctx, rows = open_folder(flags)
+        jobs = Jobs(flags, ctx, rows)
+        yield jobs
+        jobs.wait()
+    except BaseException as e:
+        if jobs is not None:
+            jobs.stop()
+        raise one_line(e) from None
+    finally:
+        stack.close()
+    if DDP and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def one_line(e):
+    """Ctrl-C and file-system errors as one line and an exit status; any other error as it is."""
+    if isinstance(e, KeyboardInterrupt):  # under torchrun every rank gets it
+        if MASTER:
+            print("interrupted: what finished is saved (rows after each (suite, seed), checkpoints every "
+                  "--ckpt_every steps); run the same command to go on", file=sys.stderr)
+        return SystemExit(130)
+    if isinstance(e, OSError):  # a path that is a folder, no permission, a full disk
+        return SystemExit(f"error: {e.strerror or e} ({e.filename or 'a file of this run'}); nothing of the step "
+                          f"that met it is saved")
+    return e
+
+
+# -----------------------------------------------------------------------------
+# The job pool: each (suite, seed) here, or in a --jobs process of its own, and the time left
+
+
+class Jobs:
+    """The (suite, seed)s of a run: trained here (--jobs 1) or each in a process of its own, skipped
+    where the folder's rows have them, their rows saved as each finishes (sorted in the report's
+    order, so that the report's sums depend neither on --jobs nor on a resume)."""
+
+    def __init__(self, flags, ctx, rows):
+        self.flags, self.ctx, self.rows = flags, ctx, rows
+        done = {(r["suite"], r["seed"]) for r in rows}
+        self.todo = [(s, k) for s in flags.suites for k in flags.seeds if (s, k) not in done]
         self.waiting = list(self.todo)  # not started yet
-        self.parallel = self.jobs > 1 and len(self.todo) > 1
-        self.t0 = time.time()
+        self.parallel = flags.jobs > 1 and len(self.todo) > 1
+        self.running, self.took, self.t0 = {}, {}, time.time()
         if self.parallel:
-            log(f"{len(self.todo)} (suite, seed)s in {self.jobs} processes at a time, {self.threads} thread(s) each"
+            log(f"{len(self.todo)} (suite, seed)s in {flags.jobs} processes at a time, {flags.threads} thread(s) each"
                 + ("; all at once, so the run's time left comes with the first to finish (till then, each step line "
-                   "gives its stage's)" if self.jobs >= len(self.todo) else ""))
+                   "gives its stage's)" if flags.jobs >= len(self.todo) else ""))
             self.results = multiprocessing.get_context("spawn").Queue()
 
-    def train(self, work, suite, seed, data):
-        """One (suite, seed)'s rows = work(suite, P, run, seed, data), here or in a --jobs process
-        (work: a module-level function), saved as it finishes; skipped if done. The call for the
-        last (suite, seed) to do returns once every process has finished."""
+    def train(self, work, *, suite, seed, data):
+        """One (suite, seed)'s rows = work(suite, preset, ctx, seed, data), here or in a --jobs process
+        (work: a module-level function, which a spawned process can import); skipped if done."""
         if (suite, seed) not in self.todo:
             return log(f"{suite} seed {seed}: already done, skipped")
         self.waiting.remove((suite, seed))
         if not self.parallel:
             self.running[suite, seed] = (time.time(), None)
-            return self.finished(suite, seed, work(suite, self.P, self.run, seed, data))
-        while len(self.running) >= self.jobs:
+            return self.finished(suite, seed, work(suite, self.flags.preset, self.ctx, seed, data))
+        while len(self.running) >= self.flags.jobs:
             self.collect()
-        job = (work, suite, self.P, self.run, seed, data, self.threads, max(1, usable_cores() // self.jobs))
+        cores = max(1, usable_cores() // self.flags.jobs)  # the process's share, for inductor's compile workers
+        job = (work, suite, self.flags.preset, self.ctx, seed, data, self.flags.threads, cores)
         process = multiprocessing.get_context("spawn").Process(target=in_process, args=(self.results, job), daemon=True)
         self.running[suite, seed] = (time.time(), process)
         with ctrl_c_deferred():  # Ctrl-C stops the parent (never lost), which stops the processes
             process.start()
-        while not self.waiting and self.running:  # the last one to do: wait for every process
+
+    def wait(self):
+        """Every row, once the last --jobs process has finished."""
+        while self.running:
             self.collect()
+        return self.rows
 
     def collect(self):
         """The next (suite, seed) a --jobs process finished (waiting at most a second); a process's
@@ -321,40 +399,22 @@ class Session:
     def finished(self, suite, seed, rows):
         self.took.setdefault(suite, []).append(time.time() - self.running.pop((suite, seed))[0])
         self.todo.remove((suite, seed))
-        self.rows = sorted(self.rows + [{**r, "suite": suite} for r in rows],  # the report's sums do not depend
-                           key=lambda r: (self.order.index(r["suite"]), r["seed"]))  # on --jobs or a resume
+        order = self.flags.order
+        self.rows = sorted(self.rows + [{**r, "suite": suite} for r in rows],
+                           key=lambda r: (order.index(r["suite"]), r["seed"]))
         if MASTER:
-            save_rows(self.run.run_dir / "rows.json", self.rows, self.run.run_key)
+            save_rows(self.ctx.run_dir / "rows.json", self.rows, self.ctx.run_key)
         done = sum(map(len, self.took.values()))
         left = time_left(self.todo, self.took, {k: t for k, (t, _) in self.running.items()},
-                         self.jobs if self.parallel else 1, time.time())
+                         self.flags.jobs if self.parallel else 1, time.time())
         log(f"{suite} seed {seed} finished ({done} of {done + len(self.todo)}) | elapsed "
             f"{(time.time() - self.t0) / 60:.1f} min | run ~{left / 60:.1f} min left")
 
-    def __exit__(self, kind, e, tb):
-        first = e
-        try:
-            while e is None and self.running:  # the last --jobs processes
-                self.collect()
-        except BaseException as late:
-            e = late
-        for _, process in self.running.values():  # an error, or Ctrl-C: stop the others now
+    def stop(self):
+        """An error, or Ctrl-C: the processes still training stop now."""
+        for _, process in self.running.values():
             if process is not None and process.is_alive():
                 process.terminate()
-        self.stack.close()
-        if e is None and DDP and dist.is_initialized():
-            dist.destroy_process_group()
-        if isinstance(e, KeyboardInterrupt):  # Ctrl-C: one line, not a traceback (under torchrun every rank gets it)
-            if MASTER:
-                print("interrupted: what finished is saved (rows after each (suite, seed), checkpoints every "
-                      "--ckpt_every steps); run the same command to go on", file=sys.stderr)
-            raise SystemExit(130) from None
-        if isinstance(e, OSError):  # the file system's: a path that is a folder, no permission, a full disk
-            raise SystemExit(f"error: {e.strerror or e} ({e.filename or 'a file of this run'}); nothing of the step "
-                             f"that met it is saved") from None
-        if e is not first:
-            raise e
-        return False
 
 
 def time_left(todo, took, running, jobs, now):
@@ -370,28 +430,19 @@ def time_left(todo, took, running, jobs, now):
     return free[-1]
 
 
-# -----------------------------------------------------------------------------
-# --jobs: each (suite, seed) in a process of its own
-
-
 def in_process(results, job):
     """A --jobs process: trains one (suite, seed) and puts (suite, seed, rows or its SystemExit's
-    line) on the parent's queue; Ctrl-C is the parent's to answer; it ends if the parent goes."""
+    line) on the parent's queue; Ctrl-C is the parent's to answer; it ends if the parent goes
+    (lab/startup.py: watched since the process's first import)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        signal.raise_signal(signal.SIGKILL)
-    threading.Thread(target=watch, daemon=True).start()
-    work, suite, P, run, seed, data, threads, compile_threads = job
+    startup.end_with_parent()
+    work, suite, preset, ctx, seed, data, threads, compile_threads = job
     set_up_torch(threads)
     import torch._inductor.config as inductor
     try:  # inductor's compile workers: the process's share of the cores, not a pool of all of them
         with torch._dynamo.config.patch(**DYNAMO), inductor.patch(compile_threads=compile_threads):
-            rows = work(suite, P, run, seed, data)
+            rows = work(suite, preset, ctx, seed, data)
     except SystemExit as e:
         rows = str(e.code)
     results.put((suite, seed, rows))
@@ -412,39 +463,3 @@ def ctrl_c_deferred():
         signal.signal(signal.SIGINT, before)
     if held and callable(before):  # Python's handler raises KeyboardInterrupt; an ignored SIGINT stays ignored
         before(signal.SIGINT, None)
-
-
-# -----------------------------------------------------------------------------
-# The finished rows of a run (resume: a (suite, seed) whose rows are saved is not trained again)
-
-
-ROW_KEYS = {"suite", "effect", "effect_id", "paper", "arm", "arm_id", "metric", "seed", "value"}
-
-
-def rows_digest(rows):
-    return hashlib.sha256(json.dumps(rows, indent=1).encode()).hexdigest()
-
-
-def save_rows(path, rows, key):
-    """The finished rows, with the run's key and the sha256 load_rows checks."""
-    doc = {"run": key, "sha256": rows_digest(rows), "rows": rows}
-    atomic(path, lambda f: f.write(json.dumps(doc, indent=1).encode()))
-
-
-def load_rows(path, key):
-    """The finished rows of run `key`, or one line if the file was changed or is another run's."""
-    if not path.exists():
-        return []
-    try:
-        doc = json.loads(path.read_text())
-        rows = doc["rows"]
-        ok = doc["sha256"] == rows_digest(rows) and all(isinstance(r, dict) and r.keys() == ROW_KEYS for r in rows)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        ok = False
-    if not ok:
-        raise SystemExit(f"error: {path} is damaged (unreadable, or its checksum does not match); delete it "
-                         f"(the checkpoints beside it are reused), or run with --fresh")
-    if doc.get("run") != key:
-        raise SystemExit(f"error: {path} holds the rows of run {doc.get('run')}, not of this run ({key}); delete "
-                         f"it, or run with --fresh")
-    return rows

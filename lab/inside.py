@@ -1,5 +1,6 @@
 """
-Looking inside trained models: the probes the two papers use to explain *why* their methods help.
+Looking inside trained models: the probes the two papers use to explain *why* their methods help,
+and the rows and claims they give the default run (protocols.py calls them on the models it trained).
 
 Hidden Decoding (§5.2-5.3): how alike a token's streams are at every layer (stream_cosine, Fig.
 6a), what a final-stream query reads of each stream (stream_mass, Fig. 6b), and the shared LM
@@ -9,8 +10,10 @@ weights are recomputed from each moe.Attention call (moe.Attention.record) insid
 """
 
 import math
+import shutil
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +21,11 @@ from torch.nn.attention.flex_attention import BlockMask
 
 import moe
 from hd import HiddenDecoding
-from report import cell
+from lab.figures import plot_streams, plot_sweep, plot_trace
+from lab.files import atomic
+from lab.report import Arm, Claim, Effect, cell, result_rows, trace_table
 from tah import DepthKV
+from trainer import rank_world
 
 # -----------------------------------------------------------------------------
 # Attention weights, from any model built on moe.py
@@ -188,3 +194,160 @@ def tah_trace(model, idx, threshold=None):
         trace.update(query_pos=p.sel[0][p.valid[0]], weights=w[p.valid[0]][:, keys],
                      key_pos=pos[keys], key_depth=depth[keys])
     return trace
+
+
+# -----------------------------------------------------------------------------
+# The probes' rows and claims in the default run, and what is kept with the run
+
+
+def save_inside(ctx, name, text):
+    """An analysis of the first seed's models, kept with the run (the report copies it out)."""
+    if rank_world()[0] == 0:
+        (ctx.run_dir / "inside").mkdir(exist_ok=True)
+        atomic(ctx.run_dir / "inside" / name, lambda f: f.write(text.encode()))
+
+
+INSIDE_WINDOWS = 32  # held-out windows (of the preset's block) the HD probes read
+
+
+class HDInside(NamedTuple):
+    """The three effects of HD's probes on one n (HD Figs. 6a, 6b, 7)."""
+    cosine: Effect
+    mass: Effect
+    head: Effect
+
+
+def hd_effects(n):
+    return HDInside(Effect(f"hd-n{n}-cosine",
+                           f"HD n={n} inside: cosine of two streams, same token vs different tokens, per layer",
+                           "Qwen3-8B HD n=8: same token 0.987 at the input, 0.637 in the middle layers, 0.783 at the "
+                           "output, above the different-token baseline (HD Fig. 6a)"),
+                    Effect(f"hd-n{n}-mass",
+                           f"HD n={n} inside: the final stream's attention mass on each stream (F and L layers)",
+                           "n=8: the final stream reads the others, stream 0 up to 0.52 (HD Fig. 6b)"),
+                    Effect(f"hd-n{n}-head", f"HD n={n} inside: the shared LM head read off every stream",
+                           "n=8: an intermediate stream's top-1 differs from the final stream's in up to 63% of "
+                           "positions; the final stream has the lowest entropy, 2.09 bits at n=8 (HD Fig. 7)"))
+
+
+SAME, DIFFERENT = Arm("same", "same token"), Arm("different", "different tokens")
+LOWEST_OTHER = Arm("lowest-other", "lowest-entropy other stream")
+LEAST_GAP, DIFFERS, BITS = "where the gap is least", "top-1 differs from the final stream's", "entropy (bits)"
+
+
+def stream_arm(k, n):
+    return Arm(f"stream{k}", stream_name(k, n))
+
+
+def state_name(layer):
+    return "input" if layer == 0 else f"block {layer}"  # states[l]: the embedding, then block l's output
+
+
+def hd_rows(model, windows, batch, seed):
+    """The HD probes (stream_probes) on the first INSIDE_WINDOWS held-out windows, as rows."""
+    n, layout = model.cfg.n_streams, model.cfg.layout
+    effects = hd_effects(n)
+    cross, (same, diff, mass, differs, bits) = stream_probes(model, windows[:INSIDE_WINDOWS], batch)
+    least = min(range(len(same)), key=lambda l: same[l] - diff[l])  # "above at every layer" = above here
+    rows = []
+    for arm, cos in ((DIFFERENT, diff), (SAME, same)):
+        rows += result_rows(effects.cosine, arm, seed,
+                            {**{state_name(l): c for l, c in enumerate(cos)}, LEAST_GAP: cos[least]})
+    for j, l in enumerate(cross):
+        rows += result_rows(effects.mass, Arm(f"block{l + 1}", f"block {l + 1} ({layout[l]})"), seed,
+                            {f"on {stream_name(k, n)}": m for k, m in enumerate(mass[j])})
+    for k in range(n):
+        rows += result_rows(effects.head, stream_arm(k, n), seed, {DIFFERS: differs[k], BITS: bits[k]})
+    return rows + result_rows(effects.head, LOWEST_OTHER, seed, {BITS: min(bits[:-1])})
+
+
+def hd_claims(n):
+    effects = hd_effects(n)
+    return [Claim(f"HD n={n} inside: a token's streams are more alike than different tokens' at every layer",
+                  effects.cosine, SAME, baseline=DIFFERENT, metric=LEAST_GAP, sign=+1),
+            Claim(f"HD n={n} inside: the final stream has the lowest entropy", effects.head, stream_arm(n - 1, n),
+                  baseline=LOWEST_OTHER, metric=BITS, sign=-1)]
+
+
+def save_hd_line(ctx, model, data, block):
+    """HD Fig. 8 on the first held-out window, kept with the run as hd_line.md."""
+    save_inside(ctx, "hd_line.md", stream_line(model, data.windows(ctx.eval_split, block)[0][0], data.decode))
+
+
+def plot_hd_streams(summary, out, ns):
+    """HD's streams figure (figures.plot_streams) over the n > 1 of ns."""
+    effects = {n: hd_effects(n) for n in ns if n > 1}
+    return plot_streams(summary, out, *({n: getattr(e, f).name for n, e in effects.items()} for f in HDInside._fields))
+
+
+HD_INSIDE_MD = {"hd_line.md": "HD inside: one held-out line, each stream's top-1 token and its probability (HD Fig. 8)"}
+
+
+# TaH inside (TaH Figs. 5 and 7): what the second pass does in the lookups model
+
+KINDS = {0: Arm("other", "other tokens (target: the next token)"), 1: Arm("one-hop", "one-hop queries"),
+         2: Arm("two-hop", "two-hop queries"), 3: Arm("three-hop", "three-hop queries")}
+QUERIES, FIXES, SENT = Arm("queries", "every query token"), "corrected - corrupted", "share of the kind sent on"
+
+
+@torch.no_grad()
+def tah_rows(model, batches, data, seed, effect, threshold=None):
+    """The tokens the decider sends on: top-1 after the first and the last pass against the next
+    token, by query kind (TaH Fig. 5), and each kind's share sent on (per problem: all queries'),
+    over the held-out `batches`."""
+    model.eval()
+    counts, totals, queries = {}, {}, [0, 0]  # queries: sent on, all
+    for x, y in batches:
+        out = model(x, mode="decider", threshold=threshold)
+        nxt = torch.cat([x[:, 1:], y[:, -1:]], 1)  # the next token; the last position's only if it is a target
+        kind = data.hops(x)
+        for h, c in iteration_outcomes(out.first_logits.argmax(-1), out.logits.argmax(-1), nxt,
+                                       (out.depths > 1) & (nxt >= 0), kind).items():
+            counts[h] = {o: counts.get(h, {}).get(o, 0) + c[o] for o in OUTCOMES}
+        for h in kind[nxt >= 0].unique().tolist():
+            totals[h] = totals.get(h, 0) + int(((kind == h) & (nxt >= 0)).sum())
+        queries = [queries[0] + int((out.depths > 1)[kind > 0].sum()), queries[1] + int((kind > 0).sum())]
+    model.train()
+    rows = []
+    for h in sorted(totals):  # every kind in the data, sent on or not
+        c = counts.get(h, dict.fromkeys(OUTCOMES, 0))
+        rows += result_rows(effect, KINDS[h], seed, {**c, FIXES: c[OUTCOMES[0]] - c[OUTCOMES[1]],
+                                                     SENT: sum(c.values()) / totals[h]})
+    if data.per_problem:  # one token kind for every query: how often the decider sends it on
+        rows += result_rows(effect, QUERIES, seed, {SENT: queries[0] / max(queries[1], 1)})
+    return rows
+
+
+def tah_claims(effect, task):
+    return [Claim(f"{task}: among the two-hop answers sent on, the second pass corrects more than it corrupts",
+                  effect, KINDS[2], baseline=0, metric=FIXES, sign=+1)]
+
+
+def save_tah_problem(ctx, model, x, data):
+    """The first problem of the held-out batch x with a two-hop query through the decider (TaH Figs.
+    5, 7), kept with the run as tah_problem.md (a row per token) and tah_problem.png."""
+    L = data.problem_len
+    problems = x[:, :x.size(1) // L * L].reshape(-1, L)
+    idx = problems[(data.hops(problems) == 2).any(1).nonzero()[0, 0]][None]
+    model.eval()
+    trace = tah_trace(model, idx)
+    model.train()
+    names = [data.describe(t) for t in idx[0].tolist()]
+    save_inside(ctx, "tah_problem.md", trace_table(trace, names, data.describe))
+    if rank_world()[0] == 0:
+        plot_trace(trace, names, model.cfg.threshold, ctx.run_dir / "inside" / "tah_problem.png", data.describe)
+
+
+TAH_INSIDE_MD = {"tah_problem.md": "TaH inside: one held-out lookup problem through the decider (TaH Figs. 5 and 7)"}
+
+
+def plot_tah_tradeoff(summary, out, eval_set, ends):
+    """Every TaH task's threshold sweep in the rows, one panel each; ends: the labels of the arms at
+    its two ends (Standard, AlwaysThink)."""
+    sweeps = list(dict.fromkeys(s["effect"] for s in summary if s["effect"].startswith("TaH: decider threshold")))
+    return plot_sweep(summary, out, eval_set, sweeps, ends)
+
+
+def copy_tah_problem(run_dir, out):
+    trace = run_dir / "inside" / "tah_problem.png"
+    return shutil.copyfile(trace, out / trace.name) if trace.exists() else None

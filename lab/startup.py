@@ -1,0 +1,45 @@
+"""
+A process's first moments, before torch imports (train_tiny.py calls `guard` first thing; a --jobs
+process reaches it too, as it imports what it runs): the run's Ctrl-C means "nothing was run" only
+while it is true, and a --jobs process ends itself when the run that started it dies.
+"""
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+WATCHING = []  # the watch thread, once started
+
+
+def guard(name):
+    """In the run's own process (`name` "__main__"): Ctrl-C ends it at once with one line and 130.
+    In a --jobs process (multiprocessing names it; its imports are this moment): it watches its parent."""
+    if multiprocessing.current_process().name != "MainProcess":
+        end_with_parent()
+    elif name == "__main__":
+        signal.signal(signal.SIGINT, interrupted_during_start_up)
+
+
+def interrupted_during_start_up(sig, frame):
+    """Ctrl-C before the run opens its folder: nothing is written yet, so the process ends here and
+    now. An exception raised instead could land inside an import (torch's, numpy's), where the import
+    machinery may lose it, or turn it into another error, and the run would go on."""
+    os.write(2, b"interrupted during start-up: nothing was run or written\n")
+    os._exit(130)
+
+
+def end_with_parent(poll=0.5):
+    """A thread that kills this process once its parent has gone (its parent id changes: a kill -9
+    of the run leaves no process training on unseen); started once per process."""
+    if WATCHING:
+        return
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll)
+        os.kill(os.getpid(), signal.SIGKILL)
+    WATCHING.append(threading.Thread(target=watch, daemon=True))
+    WATCHING[0].start()
