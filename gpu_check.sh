@@ -113,7 +113,7 @@ sample_gpu() {  # the GPU's utilization and memory every 5 s into $OUTDIR/gpu_ut
 workers=""  # the CUDA tests in parallel workers where pytest-xdist is present
 "$PY" -c "import xdist" 2>/dev/null && workers="-n 4"
 if [ $dry = 1 ]; then  # the same steps, tiny: the CPU runs each in seconds
-    tests=(-m cuda test_gpu_paths.py) smoke=(--smoke --suite moe) default=(--smoke --suite tah)
+    tests=(-m cuda test_generate.py) smoke=(--smoke --suite moe) default=(--smoke --suite tah)
     large=(--smoke --suite hd) bench_first=(--quick --sections 4h) bench_rest=(--quick --sections 1)
 else
     tests=(-m cuda) smoke=(--smoke) default=() large=(--preset large)

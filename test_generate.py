@@ -10,11 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import generate as decoding
 import moe
-from generate import KVCache, StaticTaHCache, TaHCache, generate, generate_tah, lora_merged, make_caches, sample
+from conftest import COMPILE_MODELS, compile_model
+from generate import (KVCache, StaticTaHCache, TaHCache, WindowCache, compiled_step, generate, generate_tah, lora_merged,
+                      make_caches, sample)
 from hd import HDConfig, HiddenDecoding
 from moe import ModelConfig, Transformer
 from tah import TaHConfig, ThinkAtHard
@@ -349,3 +353,145 @@ def test_every_captured_tah_pass_reads_nothing_on_the_host_and_warms_up_on_its_o
     warmed = [d for p, d in fake_cuda_graphs if p == "warm-up"]
     assert warmed == captured and set(captured) <= {"gather", "masked"}
     assert len(captured) == (2 * 3 if experts else 0)  # two pass graphs of three MoE layers each
+
+
+# -----------------------------------------------------------------------------
+# moved: compiled decoding, inputs of the caches, tensors made without a device
+
+
+def small_models():
+    torch.manual_seed(0)
+    base = dict(vocab_size=61, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=16,
+                n_experts=4, top_k=2, expert_hidden=16)
+    return {"moe": moe.Transformer(moe.ModelConfig(**base)),
+            "hd": HiddenDecoding(HDConfig(**base, n_streams=4, layout="IFL", window=5)),
+            "hd-shared": HiddenDecoding(HDConfig(**base, n_streams=2, layout="LIF", shared_kv=True, mirror_skip=False)),
+            "tah": ThinkAtHard(TaHConfig(**base, logit_topk=16, threshold=0.5))}
+
+
+@pytest.mark.parametrize("kind", ["moe", "hd", "hd-shared", "tah"])
+def test_training_evaluation_and_decoding_make_no_tensor_without_a_device(kind):
+    """A training step's forward and backward (TaH: both stages, the decider's routing), an
+    evaluation forward and greedy decoding (cached; static caches; TaH's decider), with meta as
+    the default device."""
+    import generate as decoding
+    model = small_models()[kind]
+    idx = torch.randint(61, (2, 12))
+    with torch.device("meta"):
+        if kind == "tah":
+            depths = 1 + (idx[:, :-1] % 2)
+            model.stage1_loss(idx[:, :-1], idx[:, 1:], depths).backward()
+            model.stage2_loss(idx[:, :-1], depths)[0].backward()
+            with torch.no_grad():
+                model(idx, mode="decider")
+                decoding.generate_tah(model.eval(), idx[:, :4], 4, temperature=0)
+                decoding.tah_decode(model, idx[:, :4], 4, 0, None, None, "always")
+        else:
+            model(idx[:, :-1], idx[:, 1:])[1].backward()
+            with torch.no_grad():
+                model.eval()(idx)
+                decoding.generate(model, idx[:, :4], 4, temperature=0)
+                caches = decoding.make_caches(model, static=True)
+                model(idx[:, :4], caches=caches)
+                model(idx[:, 4:5], caches=caches)
+
+
+def decode(model, step, prompt, steps):
+    """Greedy: the prompt eager, then `steps` calls of step(token, caches=...)."""
+    caches = make_caches(model)
+    x = model(prompt, caches=caches)[0][:, -1:].argmax(-1)
+    out = [x]
+    for _ in range(steps):
+        x = step(x, caches=caches)[0][:, -1:].argmax(-1)
+        out.append(x)
+    return torch.cat(out, 1)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("kind, kw", COMPILE_MODELS)
+def test_the_cached_decode_step_is_one_graph_for_twenty_steps(kind, kw):
+    """Every layout letter (F; L on the ring; I folded; shared-KV I on the dense mask), with and
+    without the KV-mirror skip: fullgraph tracing finds no break, and 20 steps after the first
+    compile nothing recompiles: the rows a cache holds are a symbolic size (dynamic=True)."""
+    torch.manual_seed(0)
+    model = compile_model(kind, **kw).eval()
+    counter = CompileCounter()
+    step = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    prompt = torch.randint(64, (2, 6))
+    with torch.no_grad():
+        tokens = decode(model, step, prompt, 20)
+        assert counter.frame_count == 1, f"{counter.frame_count} compiles over 20 steps"
+        assert torch.equal(tokens, decode(model, model, prompt, 20))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_generate_compiled_gives_eagers_tokens_with_one_compiled_step_per_model():
+    """Inductor, as users get it: greedy tokens equal eager's, one graph over every step, and a
+    second call reuses the model's compiled step."""
+    torch.manual_seed(0)
+    model = compile_model("hd", n_layer=1, layout="L", kv_mirror=False).eval()  # the ring cache; one layer compiles fast
+    prompt = torch.randint(64, (2, 6))
+    with torch.no_grad():
+        tokens = generate(model, prompt, 20, temperature=0, compile=True)
+        assert torch.equal(tokens, generate(model, prompt, 20, temperature=0))
+        assert torch.equal(generate(model, prompt, 8, temperature=0, compile=True), tokens[:, :6 + 8])
+    assert counters["stats"]["unique_graphs"] == 1 and compiled_step(model) is compiled_step(model)
+    caches = make_caches(model)  # holding the prompt, as in a decode step (an empty one would compile again)
+    with torch.no_grad():
+        model(prompt, caches=caches)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"idx must hold ids in \[0, vocab_size=64\), got \[64, 64\]"):
+        compiled_step(model)(torch.full((2, 1), 64), caches=caches)  # checked eagerly, before the compiled step
+    assert counters["stats"]["unique_graphs"] == 1
+    with torch.no_grad():
+        for _ in range(model.cfg.block_size - prompt.size(1)):  # the caches full
+            compiled_step(model)(prompt[:, :1], caches=caches)
+    with torch.no_grad(), pytest.raises(ValueError, match="sequence of 49 tokens exceeds block_size=48"):
+        compiled_step(model)(prompt[:, :1], caches=caches)  # as eager says it
+    with torch.no_grad(), pytest.raises(ValueError, match="sequence of 49 tokens exceeds block_size=48"):
+        model(prompt[:, :1], caches=caches)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_generate_compile_must_be_a_bool():
+    model = compile_model("moe").eval()
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        generate(model, torch.zeros(1, 2, dtype=torch.long), 2, compile="yes")
+
+
+def small_hd():
+    return HiddenDecoding(HDConfig(vocab_size=64, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
+                                   head_dim=8, n_experts=4, expert_hidden=16, layout="IFL", window=4)).eval()
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda: WindowCache(0, 8), "window must be an int >= 1"),
+    (lambda: WindowCache(2.0, 8), "window must be an int >= 1"),
+    (lambda: WindowCache(4, 0), "capacity must be an int >= 1"),
+    (lambda: KVCache(True), "capacity must be an int >= 1"),
+    (lambda: make_caches(torch.nn.Linear(2, 2)), "make_caches and generate take"),
+])
+def test_caches_reject_bad_sizes_and_models(make, says):
+    with pytest.raises(ValueError, match=says):
+        make()
+
+
+@pytest.mark.parametrize("new", [lambda: KVCache(8), lambda: WindowCache(4, 8)])
+@pytest.mark.parametrize("k, v, says", [
+    (torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), "k and v of one shape"),
+    (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 5), "k and v of one shape"),
+    (torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4), "holds 2 heads x 4"),
+])
+def test_a_cache_update_of_the_wrong_shape_is_refused_before_it_writes(new, k, v, says):
+    cache = new()
+    cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    with pytest.raises(ValueError, match=says):
+        cache.update(k, v)
+    assert len(cache) == 1  # nothing was written
+
+
+def test_a_window_cache_that_does_not_match_the_models_window_is_named():
+    model = small_hd()
+    caches = make_caches(model)
+    caches[2] = WindowCache(3, caches[2].capacity)  # layer 2 is L with window 4
+    with pytest.raises(ValueError, match="cache 2 keeps the last 3 rows, layer 2 reads 4"):
+        model(torch.zeros(1, 2, dtype=torch.long), caches=caches)

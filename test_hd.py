@@ -12,9 +12,16 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+
+import moe
+from checks import FLEX_MIN_HEAD_DIM, check_flex
+from conftest import COMPILE_MODELS, CUDA, F64, compile_model, cuda, f64_batch, gradcheck_wrt
 from generate import KVCache, WindowCache, generate, make_caches
-from hd import HDConfig, HiddenDecoding, expand_streams, fold, full, intra, local, shared_intra, unfold
+from hd import (HDConfig, HiddenDecoding, attention_path, expand_streams, fold, full, intra, local, shared_intra,
+                unfold)
 from moe import LayerPlan, ModelConfig, Transformer, attend, dense_mask
+from tah import TaHConfig, ThinkAtHard
 
 FAST = settings(max_examples=25, deadline=None)
 MASK_OF = {"F": lambda n, w: full, "L": lambda n, w: local(w), "I": lambda n, w: intra(n),
@@ -433,12 +440,6 @@ def test_compiled_flex_forward_on_cpu_equals_dense_for_every_mask():
         torch.testing.assert_close(compiled(q, k, v, block_mask=bm, enable_gqa=True), ref, atol=1e-5, rtol=1e-5)
 
 
-def cuda(test):
-    """CUDA-only: collected everywhere, skipped (and listed with its reason) without a GPU;
-    `python -m pytest -m cuda` runs just these (gpu_check.sh)."""
-    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
-
-
 @cuda
 @pytest.mark.parametrize("layout, shared", [("FLI", False), ("IIF", False), ("LLL", False), ("IFI", True)])
 def test_cuda_flex_forward_and_backward_equal_dense(layout, shared):
@@ -579,3 +580,146 @@ def test_bad_inputs_raise_one_clear_error():
         flex(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
     with torch.no_grad():
         flex(torch.zeros(1, 3, dtype=torch.long))  # forward only: fine
+
+
+# -----------------------------------------------------------------------------
+# moved: float64, flex and CUDA paths, compiled training
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_expand_streams_keeps_dtype_and_mode(training):
+    torch.manual_seed(0)
+    model = HiddenDecoding(HDConfig(**F64, n_streams=1, layout="IFI")).double().train(training)
+    grown = expand_streams(model, 2)
+    assert all(p.dtype == torch.float64 for p in grown.parameters())
+    assert grown.training == training
+    idx, tgt = f64_batch(1)
+    assert grown(idx, tgt)[1].dtype == torch.float64
+
+
+def test_gradcheck_hd_intra_folded_into_the_batch():
+    torch.manual_seed(0)
+    model = HiddenDecoding(HDConfig(**{**F64, "n_experts": 0}, n_streams=3, layout="III", mirror_skip=False)).double()
+    idx, tgt = f64_batch(3)
+    for name in ("tables.1.weight", "backbone.blocks.1.attn.q_proj.weight"):
+        gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])
+
+
+def test_gradcheck_hd_kv_mirror_mirror_skip_on():
+    torch.manual_seed(0)
+    model = HiddenDecoding(HDConfig(**{**F64, "n_experts": 0}, n_streams=2, layout="IFL", window=3,
+                                    mirror_skip=True)).double()
+    assert model.cfg.mirror_skip_on
+    idx, tgt = f64_batch(4)
+    for name in ("tables.0.weight", "backbone.blocks.0.attn.k_proj.weight", "backbone.blocks.2.attn.k_proj.weight"):
+        gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])
+
+
+def hd(head_dim=16, **kw):
+    base = dict(vocab_size=61, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=head_dim,
+                n_experts=4, top_k=2, expert_hidden=16, n_streams=2, layout="IFL", window=3)
+    return HDConfig(**{**base, **kw})
+
+
+def tah_cfg(head_dim):
+    return TaHConfig(vocab_size=53, block_size=32, n_layer=1, n_embd=32, n_head=6, n_kv_head=2, head_dim=head_dim,
+                     n_experts=0, kv_mirror=False, logit_topk=16, attn_impl="flex")
+
+
+def equal_to_dense(model, idx, atol=1e-4):
+    """model's loss and gradients against its twin on the dense reference path."""
+    ref = HiddenDecoding(HDConfig(**{**model.cfg.__dict__, "attn_impl": "dense"})).to(idx.device)
+    ref.load_state_dict(model.state_dict())
+    (a, la), (b, lb) = model(idx[:, :-1], idx[:, 1:]), ref(idx[:, :-1], idx[:, 1:])
+    torch.testing.assert_close(a, b, atol=atol, rtol=atol)
+    la.backward()
+    lb.backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=1e-3)
+
+
+@pytest.mark.parametrize("head_dim, path", [(8, "dense"), (15, "dense"), (16, "block"), (32, "block")])
+def test_the_fast_path_gives_cuda_flex_only_from_head_dim_16(head_dim, path):
+    """The L layer (index 2 of "IFL") on CUDA takes flex's BlockMask from head_dim 16 on, the
+    dense mask below; on the CPU it is dense at any width, and I and F keep their kernels."""
+    cfg = hd(head_dim)
+    assert attention_path(cfg, 2, False, CUDA) == path
+    assert attention_path(cfg, 2, False, torch.device("cpu")) == "dense"
+    assert [attention_path(cfg, i, False, CUDA) for i in (0, 1)] == ["fold", "causal"]
+
+
+def test_an_explicit_flex_is_refused_on_cuda_below_head_dim_16():
+    ThinkAtHard(tah_cfg(8))  # the config is fine: the refusal is the device's, at the forward
+    for head_dim in (8, FLEX_MIN_HEAD_DIM - 1):
+        with pytest.raises(ValueError, match=f"needs head_dim >= 16 on CUDA.*got {head_dim}"):
+            check_flex("flex", CUDA, head_dim)
+    check_flex("flex", CUDA, FLEX_MIN_HEAD_DIM)  # 16 passes
+    check_flex("fast", CUDA, 8)  # the fast path picks dense itself
+
+
+@cuda
+@pytest.mark.parametrize("head_dim", [8, 16])
+def test_cuda_both_sides_of_16_train_and_equal_the_dense_reference(head_dim):
+    """Below 16 the L layer runs dense, from 16 flex: either way a training step's loss and
+    gradients are the dense reference's; and an explicit flex below 16 says so in one line."""
+    torch.manual_seed(0)
+    equal_to_dense(HiddenDecoding(hd(head_dim, n_streams=4)).cuda(), torch.randint(61, (2, 20), device="cuda"))
+    if head_dim < FLEX_MIN_HEAD_DIM:
+        tah_model = ThinkAtHard(tah_cfg(head_dim)).cuda()
+        with pytest.raises(ValueError, match="needs head_dim >= 16 on CUDA"):
+            tah_model(torch.randint(53, (2, 8), device="cuda"))
+
+
+def test_a_model_whose_layers_take_flex_compiles_whole():
+    """Every layer a BlockMask (attn_impl "flex"; the CPU runs its forward), compiled with
+    fullgraph=True: one graph, eager's logits."""
+    torch.manual_seed(0)
+    model = HiddenDecoding(hd(attn_impl="flex", layout="FLI")).eval()
+    counter = CompileCounter()
+    idx = torch.randint(61, (2, 12))
+    with torch.no_grad():
+        got = torch.compile(model, backend=counter, fullgraph=True)(idx)[0]
+        torch.testing.assert_close(got, model(idx)[0], atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 1
+
+
+@cuda
+def test_cuda_eager_flex_is_the_one_compiled_flex_and_compiled_models_trace_their_own(monkeypatch):
+    """Eager CUDA calls moe.FLEX for every flex layer; a compiled model never calls it (it traces
+    flex_attention in its own graph) and equals eager."""
+    calls = []
+    real = moe.FLEX
+    monkeypatch.setattr(moe, "FLEX", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    torch.manual_seed(0)
+    model = HiddenDecoding(hd(layout="FLI")).cuda()
+    idx = torch.randint(61, (2, 12), device="cuda")
+    eager = model(idx)[0]
+    assert len(calls) == 1  # the one L layer
+    compiled = torch.compile(model, fullgraph=True)(idx)[0]
+    assert len(calls) == 1
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("kind, kw", COMPILE_MODELS[:2])
+def test_the_training_forward_and_backward_trace_whole_and_equal_eager(kind, kw):
+    """The training step (forward, loss, backward) traces as one graph through aot_autograd,
+    with eager's loss, gradients and balancing counts."""
+    torch.manual_seed(0)
+    model = compile_model(kind, **kw).train()
+    ref = compile_model(kind, **kw, moe_dispatch="loop").train()
+    ref.load_state_dict(model.state_dict())
+    counter = CompileCounterWithBackend("aot_eager")
+    idx = torch.randint(64, (2, 12))
+    loss = torch.compile(model, backend=counter, fullgraph=True)(idx, idx)[1]
+    loss.backward()
+    ref_loss = ref(idx, idx)[1]
+    ref_loss.backward()
+    assert counter.frame_count == 1
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+    body = lambda m: m.backbone if kind == "hd" else m
+    for a, b in zip(body(model).moe_layers(), body(ref).moe_layers()):
+        assert torch.equal(a.step_load, b.step_load)

@@ -6,17 +6,24 @@ rotation, a hand-written masked softmax, and full forwards over each prefix.
 
 import math
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
+from torch._dynamo.testing import CompileCounter
+from torch.autograd.gradcheck import GradcheckError
+from torch.func import functional_call
 from torch.nn.attention.flex_attention import create_block_mask
 
 import moe
+from checks import HD, MODEL, TAH, parameters
+from conftest import F64, cuda, f64_batch, gradcheck_wrt
 from generate import generate, make_caches, sample
+from hd import HDConfig, HiddenDecoding, expand_streams, local
 from moe import MoE, ModelConfig, Transformer, apply_rope, attend, attend_folded, causal, dense_mask
+from tah import TaHConfig, ThinkAtHard
 
 FAST = settings(max_examples=25, deadline=None)
 
@@ -655,3 +662,228 @@ def test_partial_rope_leaves_the_other_head_dims_unrotated_in_the_model(rope_fra
         moved = (x - x[:, :, :1]).abs().amax((0, 1, 2))  # per head dim: the largest change over positions
         assert (moved[:rd] > 1e-4).all()
         assert (moved[rd:] < 1e-6).all()  # equal up to rounding (positions batch differently)
+
+
+# -----------------------------------------------------------------------------
+# moved: float64, CUDA attention paths, input checks and the size rule of the backbone
+
+
+def test_rope_of_a_float64_input_is_computed_in_float64():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 7, 8, dtype=torch.float64, generator=g)
+    pos = torch.arange(7) * 1000 + 12345  # large positions: float32 angles would be off by ~1e-4
+    out = apply_rope(x, pos, 4, 10000.0)
+    assert out.dtype == torch.float64
+    inv = 10000.0 ** (-torch.arange(2, dtype=torch.float64) / 2)
+    ang = pos.double()[:, None] * inv
+    x1, x2 = x[..., :2], x[..., 2:4]
+    ref = torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin(), x[..., 4:]], -1)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("n_experts", [0, 4])
+def test_a_float64_backbone_runs_in_float64_with_the_default_dispatch(n_experts):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**F64, "n_experts": n_experts})).double()
+    idx, tgt = f64_batch(0)
+    logits, loss = model(idx, tgt)
+    assert logits.dtype == loss.dtype == torch.float64
+    out = generate(model, idx[:, :2], 3, temperature=0)
+    assert out.shape == (2, 5)
+
+
+def test_gradcheck_moe_dispatch():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**F64, moe_dispatch="loop")).double()
+    idx, tgt = f64_batch(6)
+    for name in ("blocks.1.ffn.w_gate_up", "blocks.1.ffn.w_down", "blocks.1.ffn.router.weight"):
+        gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])
+
+
+def test_the_fast_gradcheck_fails_a_gradient_one_percent_off():
+    """The check above can fail: the MoE's router gradient scaled by 1.01 on its way back."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**F64, moe_dispatch="loop")).double()
+    idx, tgt = f64_batch(6)
+    name = "blocks.1.ffn.router.weight"
+    w = dict(model.named_parameters())[name].detach().clone().requires_grad_(True)
+
+    def f(w):
+        w = w + 0.0
+        w.register_hook(lambda g: None if g is None else 1.01 * g)
+        return functional_call(model, {name: w}, (idx, tgt))[1]
+    with pytest.raises(GradcheckError):
+        torch.autograd.gradcheck(f, (w,), eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=True)
+
+
+def test_attend_folded_is_right_for_any_layout_of_sdpas_output(monkeypatch):
+    """SDPA on CUDA returns (B, H, T, hd) laid out as (B, T, H, hd): no view of it is legal. The
+    CPU's SDPA made to return that layout, the folded step still equals plain GQA attention."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 3, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    mask = torch.rand(3, 9) > 0.3
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    real = F.scaled_dot_product_attention
+
+    def cuda_layout(*args, **kw):
+        y = real(*args, **kw)
+        return y.transpose(1, 2).contiguous().transpose(1, 2)  # same values, heads innermost but one
+    monkeypatch.setattr(F, "scaled_dot_product_attention", cuda_layout)
+    assert not cuda_layout(q, k, v, enable_gqa=True).is_contiguous()
+    for m in (mask, None):
+        torch.testing.assert_close(attend_folded(q, k, v, m), real(q, k, v, attn_mask=m, enable_gqa=True))
+    torch.testing.assert_close(attend(q, k, v, mask), ref)  # attend folds these 3 x 3 rows
+
+
+@cuda
+def test_cuda_a_gqa_decode_step_equals_plain_attention():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(s, device="cuda") for s in ((2, 6, 1, 16), (2, 2, 40, 16), (2, 2, 40, 16)))
+    torch.testing.assert_close(attend(q, k, v, None), F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+
+def default_run_flex_shapes():
+    """The shapes the default run's L layer gives the eager flex: n = 1, 2, 4 rows per token of 64
+    tokens, training batch 8, evaluation batches down to a last one of 7, and 1 (sampling)."""
+    return [(B, 64 * n) for n in (1, 2, 4) for B in (8, 7, 1)]
+
+
+def test_the_eager_flex_serves_a_runs_shapes_from_a_few_graphs():
+    """moe.FLEX's settings over every (batch, rows) of a default run, twice over, with the
+    recompile limit an error: at most 4 graphs (torch specializes sizes of 1), eager flex's values."""
+    window = local(16)
+    counter = CompileCounter()
+    flex = moe.compiled_flex(backend=counter)  # moe.FLEX, counted
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), torch.no_grad():
+        for B, T in default_run_flex_shapes() * 2:
+            q, kv = torch.randn(B, 6, T, 16), torch.randn(B, 2, T, 16)
+            bm = create_block_mask(window, None, None, T, T, device="cpu")
+            torch.testing.assert_close(flex(q, kv, kv, block_mask=bm, enable_gqa=True),
+                                       attend(q, kv, kv, dense_mask(window, torch.arange(T), torch.arange(T))),
+                                       atol=1e-5, rtol=1e-5)
+    assert counter.frame_count <= 4, counter.frame_count
+
+
+@pytest.mark.parametrize("mask", ["causal", "none", "tensor"])
+def test_attention_with_kv_expanded_for_cudas_fused_kernels_equals_gqa(mask, monkeypatch):
+    """On CUDA, with a mask or in float32, moe.sdpa expands K/V to every query head (the fused kernels
+    that take a mask take no GQA). The expanded call, made on the CPU, equals SDPA's own GQA."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    m = {"causal": "causal", "none": None, "tensor": torch.rand(40, 40) > 0.4}[mask]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask != "tensor" else m,
+                                         is_causal=mask == "causal", enable_gqa=True)
+    calls = []
+    monkeypatch.setattr(moe, "expands_kv", lambda q, m: calls.append(1) or True)
+    torch.testing.assert_close(attend(q, k, v, m), ref, atol=1e-6, rtol=1e-6)
+    assert calls
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_masked_and_float32_attention_equals_the_cpus(dtype):
+    """With K/V expanded on CUDA: a dense mask (a row that sees no key gives 0) and the causal
+    kernel, in float32 and bf16, against the CPU's float64."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    mask = torch.rand(40, 40) > 0.4
+    mask[3] = False
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for m in (mask, "causal"):
+        want = attend(q.double(), k.double(), v.double(), m)
+        got = attend(*(t.to("cuda", dtype) for t in (q, k, v)), m if isinstance(m, str) else m.cuda())
+        torch.testing.assert_close(got.double().cpu(), want, atol=tol, rtol=tol)
+
+
+Q, K = torch.randn(1, 6, 2, 8), torch.randn(1, 2, 5, 8)  # attend's query and key shapes, for the refusals below
+
+
+@pytest.mark.parametrize("args, says", [
+    ((Q[0], K, K, None), "4-D tensors"),
+    ((torch.randn(1, 5, 2, 8), K, K, None), "Hkv dividing H=5"),
+    ((Q, torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), None), "head_dim=8"),
+    ((Q, K, torch.randn(1, 2, 4, 8), None), "k and v of one shape"),
+    ((Q, K, K, torch.ones(2, 5)), "must be boolean"),
+    ((Q, K, K, torch.ones(3, 5, dtype=torch.bool)), r"does not broadcast to \(B, H, Tq, Tk\) = \(1, 6, 2, 5\)"),
+    ((Q, K, K, torch.ones(2, 2, 5, dtype=torch.bool)), "does not broadcast"),
+    ((Q, K, K, 5), "'causal', None, a boolean tensor or a BlockMask"),
+])
+def test_attend_names_shapes_it_cannot_fold_or_broadcast(args, says):
+    with pytest.raises(ValueError, match=says):
+        attend(*args)
+
+
+def test_attend_still_takes_every_mask_form_it_documents():
+    for mask in (None, torch.ones(2, 5, dtype=torch.bool), torch.ones(1, 1, 2, 5, dtype=torch.bool),
+                 torch.ones(1, 6, 2, 5, dtype=torch.bool)):
+        assert attend(Q, K, K, mask).shape == (1, 6, 2, 8)
+    assert attend(Q, K[:, :, :2], K[:, :, :2], "causal").shape == (1, 6, 2, 8)
+
+
+@pytest.mark.parametrize("config, table", [(ModelConfig, MODEL), (HDConfig, HD), (TaHConfig, TAH)])
+def test_each_config_check_table_covers_every_field(config, table):
+    names = {f.name for f in fields(config)}
+    assert sorted(names - set(table)) == []  # a field without a rule
+    assert sorted(set(table) - names) == []  # a rule for no field
+
+
+@pytest.mark.parametrize("config", [ModelConfig, HDConfig, TaHConfig])
+def test_the_defaults_pass_their_table(config):
+    config()
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(["moe", "hd", "tah"]), n_layer=st.integers(1, 4), C=st.sampled_from([8, 16, 24]),
+       heads=st.sampled_from([(2, 1), (4, 2), (6, 3)]), hd=st.sampled_from([8, 16]), E=st.integers(0, 4),
+       n=st.integers(1, 3), depths=st.integers(2, 3))
+def test_the_parameter_estimate_is_the_models_own_count(kind, n_layer, C, heads, hd, E, n, depths):
+    """checks.parameters, from the shapes alone, against the parameters the model builds."""
+    base = dict(vocab_size=37, block_size=8, n_layer=n_layer, n_embd=C, n_head=heads[0], n_kv_head=heads[1],
+                head_dim=hd, n_experts=E, top_k=min(2, E) or 2, expert_hidden=8, ffn_hidden=12, kv_mirror=n_layer >= 3)
+    if kind == "moe":
+        cfg, cls = ModelConfig(**base), Transformer
+    elif kind == "hd":
+        cfg, cls = HDConfig(**base, n_streams=n, layout="IFL"[:n_layer] + "I" * (n_layer - 3)), HiddenDecoding
+    else:
+        cfg, cls = TaHConfig(**base, max_depth=depths, logit_topk=5, decider_hidden=6, lora_rank=2), ThinkAtHard
+    assert parameters(cfg) == sum(p.numel() for p in cls(cfg).parameters())
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: ModelConfig(n_layer=10**30), "n_layer must be an int in"),
+    (lambda: ModelConfig(n_layer=10**6), "needs ~"),
+    (lambda: ModelConfig(vocab_size=2**40), "needs ~"),
+    (lambda: ModelConfig(n_embd=2**20, n_head=2**10, head_dim=2**10), "needs ~"),
+    (lambda: HDConfig(n_streams=10**30), "n_streams must be an int in"),
+    (lambda: HDConfig(n_streams=10**9), "needs ~"),
+    (lambda: HDConfig(window=10**30), "window must be an int in"),
+    (lambda: TaHConfig(max_depth=10**30), "max_depth must be an int in"),
+    (lambda: TaHConfig(max_depth=10**9), "needs ~"),
+    (lambda: TaHConfig(lora_alpha=-1.0), "lora_alpha must be a finite number > 0"),
+    (lambda: TaHConfig(lora_alpha=0), "lora_alpha must be a finite number > 0"),
+    (lambda: expand_streams(Transformer(ModelConfig(n_layer=3, n_embd=16, n_head=2, n_kv_head=1, head_dim=8,
+                                                    vocab_size=50)), 10**30), "n_streams must be an int in"),
+    (lambda: expand_streams(Transformer(ModelConfig(n_layer=3, n_embd=16, n_head=2, n_kv_head=1, head_dim=8,
+                                                    vocab_size=50)), 10**8), "needs ~"),
+])
+def test_sizes_that_cannot_fit_are_refused_in_one_line_before_anything_is_allocated(make, words):
+    """Each refused at once (no allocation: the memory it names does not exist), in one line
+    that names the field, or the estimate and the machine's memory."""
+    with pytest.raises(ValueError, match=words) as e:
+        make()
+    assert "\n" not in str(e.value)
+    if "needs" in words:
+        assert "GiB" in str(e.value) and "has" in str(e.value)
+
+
+def test_a_model_that_fits_alone_is_refused_when_jobs_processes_share_the_device(monkeypatch):
+    """check_fits with `sharing` processes each holding the model: the device's memory is theirs
+    together (train_tiny.py's --jobs on one GPU)."""
+    import checks
+    cfg = ModelConfig(n_layer=3, n_embd=16, n_head=2, n_kv_head=1, head_dim=8, vocab_size=50, block_size=16)
+    need = 4 * (parameters(cfg) * 4 + checks.activations(cfg, 8, scores=True))
+    monkeypatch.setattr(checks, "memory_limit", lambda device="cpu": 3 * need)
+    checks.check_fits(cfg, 8, training=True, sharing=3)
+    with pytest.raises(ValueError, match=r"needs ~.*\(4 processes share its"):
+        checks.check_fits(cfg, 8, training=True, sharing=4)

@@ -1,29 +1,50 @@
-"""Tests of the project's shape, read from its source with ast: imports point down (no cycle,
-and train_tiny.py, the entry point, imported by no module), and no module patches another at
-run time (an assignment to an attribute of an imported module)."""
+"""The project's shape, read from its source with ast: the top level is what a learner reads and
+runs, the rest waits in lab/; imports point down (no cycle, the entry point imported by no module);
+no module patches another at run time; the reader's path stays short, its functions and classes
+readable, every constructor and call nameable at a glance; every script refuses an unknown
+argument; the docs keep their numbers honest."""
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
-MODULES = sorted(p for p in HERE.glob("*.py") if not p.name.startswith("test_") and p.name != "conftest.py")
+SOURCES = sorted(p for p in [*HERE.glob("*.py"), *HERE.glob("lab/*.py")]
+                 if not p.name.startswith("test_") and p.name not in ("conftest.py", "__init__.py"))
+METHODS = ("moe.py", "hd.py", "tah.py", "generate.py", "checks.py")  # the methods, checks counted with them
+READERS_PATH = ("train_tiny.py", "protocols.py", "trainer.py", "tasks.py")  # the default run's flow, the methods aside
+OPERATOR = ("lab/runner.py", "lab/files.py", "lab/presets.py", "lab/startup.py")  # flags, processes, files, preset checks
+
+
+def name_of(path):
+    return str(path.relative_to(HERE))
+
+
+def lines(path):
+    return sum(1 for line in (HERE / path).read_text().splitlines() if line.strip())
 
 
 def local_imports(path):
     """The project's modules that `path` imports, anywhere in the file (top level or inside a
-    function), as module names."""
+    function), as paths relative to the root (lab/x.py for `from lab import x`)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
-        found |= {n.split(".")[0] for n in names if (HERE / f"{n.split('.')[0]}.py").exists()}
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {f"{n.replace('.', '/')}.py" for n in names if (HERE / f"{n.replace('.', '/')}.py").is_file()}
     return found
 
 
 def test_the_project_has_modules_to_check():
-    assert {"train_tiny.py", "runner.py", "headline.py", "ablations.py", "moe.py"} <= {p.name for p in MODULES}
+    assert {"train_tiny.py", "lab/runner.py", "protocols.py", "lab/ablations.py", "moe.py"} <= set(map(name_of, SOURCES))
 
 
 def find_cycle(graph):
@@ -54,10 +75,10 @@ def test_find_cycle_finds_a_cycle_and_only_a_cycle():
 
 
 def test_imports_form_no_cycle_and_no_module_imports_the_entry_point():
-    graph = {p.stem: local_imports(p) - {p.stem} for p in MODULES}
+    graph = {name_of(p): local_imports(p) - {name_of(p)} for p in SOURCES}
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
-    importers = sorted(name for name, deps in graph.items() if "train_tiny" in deps)
-    assert not importers, f"train_tiny.py is the entry point, but {importers} import it"
+    importers = sorted(name for name, deps in graph.items() if "train_tiny.py" in deps)
+    assert importers == ["sample.py"], f"train_tiny.py is the entry point (sample.py reads its Preset), but {importers}"
 
 
 def root_name(node):
@@ -88,7 +109,7 @@ def module_patches(path):
     return sorted(found)
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", SOURCES, ids=name_of)
 def test_no_module_assigns_to_another_modules_attribute(path):
     assert module_patches(path) == []
 
@@ -101,30 +122,224 @@ def test_the_patch_check_sees_each_form_of_patch(tmp_path):
     assert [line for line, _ in module_patches(f)] == [4, 5, 6, 7, 8]
 
 
-LAB = ("train_tiny", "runner", "trainer", "headline", "ablations", "tasks", "report", "figures", "inside", "checks")
-
-
-def all_imports(path):
-    """Every module name `path` imports (the first part of each dotted name), the standard library's too."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
-    return found
-
-
 def test_the_process_machinery_sits_behind_train_tiny_alone():
-    """runner.py (the command line, torchrun, --jobs processes, resume, Ctrl-C) is imported by
+    """lab/runner.py (the command line, torchrun, --jobs processes, resume, Ctrl-C) is imported by
     train_tiny.py alone: no method, protocol or the trainer reaches it, and the trainer imports no
     process machinery of its own (its ranks come from torch.distributed)."""
-    graph = {p.stem: local_imports(p) - {p.stem} for p in MODULES}
-    assert sorted(name for name, deps in graph.items() if "runner" in deps) == ["train_tiny"]
-    assert not all_imports(HERE / "trainer.py") & {"runner", "multiprocessing", "signal", "threading", "queue"}
+    graph = {name_of(p): local_imports(p) for p in SOURCES}
+    assert sorted(name for name, deps in graph.items() if "lab/runner.py" in deps) == ["train_tiny.py"]
+    trainer = {n.split(".")[0] for n in re.findall(r"^\s*(?:import|from) ([\w.]+)", (HERE / "trainer.py").read_text(), re.M)}
+    assert not trainer & {"multiprocessing", "signal", "threading", "queue"}
 
 
-def test_no_file_of_the_lab_is_over_450_lines():
-    """The experiment's files around the methods (LAB): none over 450 non-blank lines."""
-    sizes = {name: sum(1 for line in (HERE / f"{name}.py").read_text().splitlines() if line.strip()) for name in LAB}
-    assert max(sizes.values()) <= 450, sizes
+# -----------------------------------------------------------------------------
+# The reader's path: the measures
+
+
+def test_the_top_level_is_what_a_learner_reads_and_runs():
+    """At most 20 Python files at the top level: the methods, the default run's flow, sample.py,
+    bench.py, the tests that specify them and conftest.py; the rest is in lab/."""
+    top = sorted(p.name for p in HERE.glob("*.py"))
+    assert len(top) <= 20, top
+    assert set(top) - {"sample.py", "bench.py", "conftest.py"} - set(METHODS) - set(READERS_PATH) == {
+        "test_moe.py", "test_hd.py", "test_tah.py", "test_generate.py", "test_train_tiny.py", "test_bench.py",
+        "test_structure.py"}
+
+
+def test_the_readers_path_is_at_most_900_lines_and_the_operator_machinery_500():
+    """The non-blank lines a learner follows the default run through, the methods aside, and the
+    machinery kept apart so that it cannot grow unseen."""
+    path = {f: lines(f) for f in READERS_PATH}
+    assert sum(path.values()) <= 900, path
+    operator = {f: lines(f) for f in OPERATOR}
+    assert sum(operator.values()) <= 500, operator
+
+
+def test_a_plain_run_goes_through_the_readers_path_and_imports_nothing_of_the_ablations(tmp_path):
+    """`python train_tiny.py` at tiny budgets: the project modules it imports are the methods, the
+    reader's path and lab/ without lab/ablations.py (--suite all imports it)."""
+    budget = ["--preset", "smoke", "--suite", "hd,tah", "--jobs", "1", "--hd_base_iters=1", "--hd_cont_iters=1",
+              "--tah_base_iters=1", "--tah_sft_iters=1", "--decider_iters=1", "--out", str(tmp_path)]
+    script = ("import sys, train_tiny\ntrain_tiny.main(sys.argv[1:])\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in {'lab', 'protocols', 'trainer', 'tasks'}))")
+    run = subprocess.run([sys.executable, "-c", script, *budget], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    imported = eval(run.stdout.strip().splitlines()[-1])
+    assert "lab.ablations" not in imported and {"protocols", "trainer", "tasks"} <= set(imported), imported
+
+
+def test_one_headline_arm_from_main_to_its_verdict_opens_four_files_besides_the_methods():
+    """main, the arm's protocol, its training and evaluation, its data, the rule that judges it."""
+    import protocols
+    import tasks
+    import train_tiny
+    import trainer
+    path = [train_tiny.main, train_tiny.train_seed, protocols.hd_protocol, protocols.continuation, trainer.train,
+            trainer.MicroSteps, trainer.evaluate, tasks.load_text, tasks.TextData, protocols.hd_claims, protocols.judge,
+            protocols.verdict]
+    files = {sys.modules[f.__module__].__file__ for f in path}
+    assert {Path(f).name for f in files} == set(READERS_PATH)
+
+
+def definitions(path):
+    return [n for n in ast.walk(ast.parse((HERE / path).read_text())) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+
+
+def test_on_the_readers_path_no_function_is_over_60_lines_and_no_class_over_100():
+    long = [(f, d.name, d.end_lineno - d.lineno + 1) for f in READERS_PATH for d in definitions(f)
+            if d.end_lineno - d.lineno + 1 > (100 if isinstance(d, ast.ClassDef) else 60)]
+    assert long == []
+
+
+def required_positional(node):
+    """A class's constructor's required positional parameters: its __init__'s, or a dataclass's or
+    NamedTuple's fields without a default before KW_ONLY (unless kw_only=True)."""
+    init = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+    if init is not None:
+        args = init.args.posonlyargs + init.args.args
+        return len(args) - 1 - len(init.args.defaults)
+    decorated = [d for d in node.decorator_list if "dataclass" in ast.unparse(d)]
+    if not decorated and not any(ast.unparse(b) in ("NamedTuple", "typing.NamedTuple") for b in node.bases):
+        return 0
+    if any("kw_only=True" in ast.unparse(d) for d in decorated):
+        return 0
+    count = 0
+    for stmt in node.body:
+        if isinstance(stmt, ast.AnnAssign):
+            if "KW_ONLY" in ast.unparse(stmt.annotation):
+                break
+            count += stmt.value is None
+    return count
+
+
+def test_constructors_and_calls_are_readable_at_a_glance():
+    """On the reader's path and in lab/: no constructor of more than three required positional
+    parameters, no call of more than seven positional arguments, no literal tuple unpacked into a
+    call (name the values instead)."""
+    found = []
+    for f in READERS_PATH + tuple(name_of(p) for p in sorted(HERE.glob("lab/*.py")) if not p.name.startswith("test_")):
+        for node in ast.walk(ast.parse((HERE / f).read_text())):
+            if isinstance(node, ast.ClassDef) and required_positional(node) > 3:
+                found.append((f, node.name, "constructor"))
+            if isinstance(node, ast.Call):
+                if len([a for a in node.args if not isinstance(a, ast.Starred)]) > 7:
+                    found.append((f, node.lineno, "positional arguments"))
+                if any(isinstance(a, ast.Starred) and isinstance(a.value, (ast.Tuple, ast.List, ast.IfExp))
+                       for a in node.args):
+                    found.append((f, node.lineno, "a literal tuple unpacked"))
+    assert found == []
+
+
+def test_the_readability_checks_see_what_they_forbid(tmp_path):
+    code = ast.parse("from dataclasses import dataclass, KW_ONLY\n@dataclass\nclass A:\n a: int\n b: int\n c: int\n"
+                     " d: int\n@dataclass\nclass B:\n a: int\n _: KW_ONLY\n b: int\n c: int\n d: int\n"
+                     "class C:\n def __init__(self, a, b, c, d=1): pass\nclass D:\n def __init__(self, a, b, c, d): pass\n")
+    assert [required_positional(c) for c in code.body if isinstance(c, ast.ClassDef)] == [4, 1, 3, 4]
+
+
+# -----------------------------------------------------------------------------
+# Every script a user may run
+
+
+SCRIPTS = [p for p in SOURCES if "__main__" in p.read_text() and "not_a_script" not in p.read_text()]
+NOT_SCRIPTS = {"lab/report.py": "train_tiny.py", "lab/inside.py": "train_tiny.py",
+               "lab/ablations.py": "train_tiny.py --suite all"}  # modules that were scripts once
+RUN_EACH = """
+import contextlib, io, json, runpy, sys, warnings
+warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package")  # run once imported
+said = {}
+for module, args in json.loads(sys.argv[1]):
+    sys.argv, err = [module] + args, io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module(module, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    said[module] = (code, err.getvalue())
+print(json.dumps(said))
+"""
+
+
+def run_each(modules_and_args):
+    """Each module run as __main__ with its arguments, in one process: {module: (exit code, stderr)}."""
+    import json
+    run = subprocess.run([sys.executable, "-c", RUN_EACH, json.dumps(modules_and_args)], cwd=HERE, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def module_name(path):
+    return path[:-3].replace("/", ".")
+
+
+def test_every_script_refuses_an_unknown_argument_with_exit_2_and_a_module_no_script_says_what_to_run():
+    """Every file with a __main__ block, run with --bogus 1: exit 2 and a line naming it, no traceback;
+    a module that was a script once (python report.py drew the figures): one line saying what to run
+    instead, exit 2."""
+    said = run_each([(module_name(name_of(p)), ["--bogus", "1"]) for p in SCRIPTS]
+                    + [(module_name(m), []) for m in NOT_SCRIPTS])
+    for p in SCRIPTS:
+        code, err = said[module_name(name_of(p))]
+        assert code == 2 and "--bogus" in err and "Traceback" not in err, (name_of(p), code, err[-500:])
+    for m, instead in NOT_SCRIPTS.items():
+        code, err = said[module_name(m)]
+        assert code == 2 and instead in err and len(err.strip().splitlines()) == 1, (m, err)
+    assert len(SCRIPTS) >= 8
+
+
+# -----------------------------------------------------------------------------
+# The docs
+
+
+def test_the_readme_is_short_and_names_no_commit():
+    """README.md is what a clone sees today: at most 200 lines, and no commit hash (history
+    lives in docs/journal.md)."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).parent / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    hashes = re.findall(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", text)
+    assert not hashes, hashes
+
+
+RESULTS = (Path(__file__).parent / "RESULTS.md").read_text()
+
+
+def target_rows():
+    """The rows of RESULTS' targets table: (section, target, measured, verdict)."""
+    block = RESULTS.split("| section | target | measured | verdict |")[1].split("\n\n")[0]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in block.splitlines()[2:]]
+
+
+def number(text):
+    return float(re.search(r"[-+]?\d+(?:\.\d+)?", text).group())
+
+
+def section_text(name):
+    """RESULTS' bench section `### name.` up to the next heading of any level."""
+    return re.search(rf"^### {re.escape(name)}\. .*?(?=^#)", RESULTS, re.S | re.M).group()
+
+
+def test_every_target_verdict_follows_from_its_numbers_and_its_section_holds_the_figure():
+    rows = target_rows()
+    assert len(rows) >= 10
+    for section, target, measured, verdict in rows:
+        op, bound = re.search(r"(<=|>=) ([\d.]+)", target).groups()
+        met = number(measured) <= float(bound) if op == "<=" else number(measured) >= float(bound)
+        assert verdict == ("met" if met else "missed"), (section, target, measured)
+        figure = re.search(r"[-+]?\d+(?:\.\d+)?", measured).group()  # "62 s" is "| 62 |" in its table
+        assert re.search(rf"(?<![\d.]){re.escape(figure)}(?![\d.])", section_text(section)), (section, measured)
+
+
+def test_every_section_that_sets_a_target_is_in_the_table():
+    named = {s for s, *_ in target_rows()}
+    for heading in re.findall(r"^### (\w+)\. .*target.*$", RESULTS, re.M):
+        assert heading in named, heading
+
+
+def test_no_text_calls_the_targets_met_when_the_table_has_a_miss():
+    for section in {s for s, *_, v in target_rows() if v == "missed"}:
+        text = section_text(section)
+        assert not re.search(r"targets?,? (both |all )?met", text, re.I), section

@@ -132,7 +132,7 @@ def train(name, model, loss_fn, data, stage, ctx, seed, on_step=None, first_batc
             backbone_of(model).update_router_bias()  # loss-free balancing, after the step
         step.check_finite(losses[-1], it)
         if (it + 1) % ctx.log_every == 0 or it + 1 == stage.steps:
-            log_step(name, seed, it + 1, stage, losses[-1], (time.perf_counter() - t0) / (it + 1 - start), model,
+            log_step(step.label, it + 1, stage, losses[-1], (time.perf_counter() - t0) / (it + 1 - start), model,
                      ctx.device)
         if on_step is not None:
             on_step(it + 1)
@@ -212,14 +212,14 @@ def compiled(model):
     return model.compile_passes(True)
 
 
-def log_step(name, seed, done, stage, loss, dt, model, dev):
+def log_step(label, done, stage, loss, dt, model, dev):
     """A step's line: loss, time and tokens per step, on CUDA MFU and peak memory, the stage's time left."""
     tok = stage.batch * stage.block / dt
     mfu = ""
     if dev.startswith("cuda"):  # model FLOPs per token (as nanoGPT's estimate_mfu), vs 989 TFLOP/s bf16 (H100/H200)
         mfu = (f" | mfu {flops.per_token(model, stage.block) * tok / 989e12:.2%} | peak memory "
                f"{torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB")
-    log(f"[{name} s{seed}] step {done}/{stage.steps} | loss {loss:.4f} | {dt * 1e3:.0f} ms/step | "
+    log(f"[{label}] step {done}/{stage.steps} | loss {loss:.4f} | {dt * 1e3:.0f} ms/step | "
         f"{tok / 1e3:.1f}k tok/s{mfu} | stage ~{(stage.steps - done) * dt / 60:.1f} min left")
 
 

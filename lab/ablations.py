@@ -426,3 +426,8 @@ def moe_mirror(preset, ctx, seed, data, bias_on):
 
 MOE_CLAIMS = [Claim("loss-free bias balances the experts", MOE_BALANCE, MOE_ON, baseline=MOE_OFF, metric=MOE_LOAD,
                     sign=-1)]
+
+
+if __name__ == "__main__":
+    from lab.startup import not_a_script
+    not_a_script("lab/ablations.py", "python train_tiny.py --suite all")

@@ -51,10 +51,15 @@ def save_checkpoint(ckpt, model, opts, done, losses, meta):
                          f"nothing of this arm is saved or reported (try a lower lr)")
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
+    write_checkpoint(ckpt, {"model": model.state_dict(), "opts": [o.state_dict() for o in opts], "iter": done,
+                            "losses": losses, "meta": meta})
+
+
+def write_checkpoint(ckpt, state):
+    """A state as a checkpoint file: the sha256 of its bytes, a newline, its bytes (torch.save)."""
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opts": [o.state_dict() for o in opts], "iter": done,
-                "losses": losses, "meta": meta}, buf)
+    torch.save(state, buf)
     payload = buf.getvalue()
     atomic(ckpt, lambda f: f.write(hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload))
 

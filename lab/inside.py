@@ -351,3 +351,8 @@ def plot_tah_tradeoff(summary, out, eval_set, ends):
 def copy_tah_problem(run_dir, out):
     trace = run_dir / "inside" / "tah_problem.png"
     return shutil.copyfile(trace, out / trace.name) if trace.exists() else None
+
+
+if __name__ == "__main__":
+    from lab.startup import not_a_script
+    not_a_script("lab/inside.py", "python train_tiny.py (its probes run in the default run)")

@@ -91,7 +91,7 @@ def pooled(runs):
     for machine, seed, d in runs:
         if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, float, np.integer, np.floating)) \
                 or not np.isfinite(d):
-            raise ValueError(f"a run's delta must be a finite real number, got {d!r}")
+            raise ValueError(f"pooled's deltas must be finite real numbers, got {d!r}")
         units.setdefault((machine, seed), set()).add(float(d))
     v = [float(np.mean(sorted(ds))) for ds in units.values()]
     return dict(n=len(v), mean=float(np.mean(v)), std=float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
@@ -242,3 +242,8 @@ def write_report(rows, verdicts, out, *, header, rule, meta, inside, brief=False
     print(("\n" + md if not brief else f"\n{len(rows)} rows of {len(summary)} (effect, arm, metric)s; {shown} (a "
            f"plumbing check decides nothing)") + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}", flush=True)
     return summary
+
+
+if __name__ == "__main__":
+    from lab.startup import not_a_script
+    not_a_script("lab/report.py", "python train_tiny.py (it writes the report); python -m lab.figures draws the masks")

@@ -7,6 +7,7 @@ while it is true, and a --jobs process ends itself when the run that started it 
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -43,3 +44,9 @@ def end_with_parent(poll=0.5):
         os.kill(os.getpid(), signal.SIGKILL)
     WATCHING.append(threading.Thread(target=watch, daemon=True))
     WATCHING[0].start()
+
+
+def not_a_script(path, instead):
+    """A module that is no script, run as one: one line saying what to run instead, and exit 2."""
+    print(f"{path} is no script: run {instead}", file=sys.stderr)
+    raise SystemExit(2)

@@ -2,10 +2,6 @@
 labels of the plotted quantity, the plotted values are the summary's, and a mean has its error
 bars (one std over seeds)."""
 
-import runpy
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -13,9 +9,9 @@ pytest.importorskip("matplotlib")
 import matplotlib.figure  # noqa: E402
 from matplotlib.container import ErrorbarContainer  # noqa: E402
 
-import headline as hl  # noqa: E402
-import figures  # noqa: E402
-from inside import stream_name  # noqa: E402
+import protocols  # noqa: E402
+from lab import figures, inside  # noqa: E402
+from lab.inside import stream_name  # noqa: E402
 
 
 @pytest.fixture
@@ -40,14 +36,14 @@ def has_error_bars(ax):
 def test_hd_streams_panel_c_plots_the_top1_disagreement_and_d_the_entropy(drawn):
     figs, out = drawn
     summary, rng = [], np.random.default_rng(0)
-    for n, fx in ((n, hl.hd_inside_effects(n)) for n in (2, 4)):
-        for arm in (hl.SAME, hl.DIFFERENT):
+    for n, fx in ((n, inside.hd_effects(n)) for n in (2, 4)):
+        for arm in (inside.SAME, inside.DIFFERENT):
             summary += [row(fx.cosine.name, arm, m, rng.uniform()) for m in ("input", "block 1", "block 2")]
         summary += [row(fx.mass.name, "block 3 (F)", f"on {stream_name(k, n)}", 1 / n) for k in range(n)]
         for k in range(n):
-            summary += [row(fx.head.name, stream_name(k, n), hl.DIFFERS, 0.0 if k == n - 1 else 0.4 + 0.01 * k),
-                        row(fx.head.name, stream_name(k, n), hl.BITS, 8.0 + 0.1 * k, 0.2)]
-    assert hl.plot_hd_streams(summary, out, (1, 2, 4)) is not None
+            summary += [row(fx.head.name, stream_name(k, n), inside.DIFFERS, 0.0 if k == n - 1 else 0.4 + 0.01 * k),
+                        row(fx.head.name, stream_name(k, n), inside.BITS, 8.0 + 0.1 * k, 0.2)]
+    assert inside.plot_hd_streams(summary, out, (1, 2, 4)) is not None
     (fig,) = figs
     a, b, c, d = fig.axes
     assert "cosine" in a.get_ylabel() and "attention mass" in b.get_ylabel()
@@ -63,12 +59,13 @@ def test_hd_streams_panel_c_plots_the_top1_disagreement_and_d_the_entropy(drawn)
 def test_the_tradeoff_labels_each_threshold_and_zooms_on_them(drawn):
     figs, out = drawn
     effect = "TaH: decider threshold sweep (in-context lookups, answers)"
-    summary = [row(effect, hl.STANDARD, "iterated", 0.0), row(effect, hl.STANDARD, "acc", 0.8),
-               row(effect, hl.ALWAYS, "iterated", 1.0), row(effect, hl.ALWAYS, "acc", 0.95)]
+    summary = [row(effect, protocols.STANDARD, "iterated", 0.0), row(effect, protocols.STANDARD, "acc", 0.8),
+               row(effect, protocols.ALWAYS, "iterated", 1.0), row(effect, protocols.ALWAYS, "acc", 0.95)]
     for t, it in ((0.5, 0.07), (0.9, 0.06)):
         summary += [row(effect, f"TaH decider, threshold {t}", "iterated", it), row(effect, f"TaH decider, threshold {t}",
                                                                                   "acc", 0.95)]
-    assert hl.plot_tah_tradeoff(summary, out, "held-out") is not None
+    assert inside.plot_tah_tradeoff(summary, out, "held-out", (protocols.STANDARD.label,
+                                                                             protocols.ALWAYS.label)) is not None
     (fig,) = figs
     ax = fig.axes[0]
     inset = ax.child_axes[0]
@@ -139,12 +136,3 @@ def test_report_py_says_in_one_line_when_its_folder_is_a_file_or_cannot_be_writt
     monkeypatch.setattr(figures, "plot_masks", denied)
     with pytest.raises(SystemExit, match=r"^error: Permission denied \(.*masks.png\): masks.png is not written$"):
         figures.main(["--out", str(tmp_path / "ro")])
-
-
-@pytest.mark.parametrize("demo", ["moe.py", "hd.py", "tah.py", "generate.py"])
-def test_the_method_demos_refuse_arguments(demo, monkeypatch, capsys):
-    """python hd.py --bogus 1 (the file run as __main__ in this process): exit 2, one line naming it."""
-    monkeypatch.setattr(sys, "argv", [demo, "--bogus", "1"])
-    with pytest.raises(SystemExit) as e:
-        runpy.run_path(str(Path(__file__).parent / demo), run_name="__main__")
-    assert e.value.code == 2 and "unrecognized arguments: --bogus 1" in capsys.readouterr().err

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import moe
-import figures
 from hd import HDConfig, HiddenDecoding
-from inside import (OUTCOMES, attention_weights, entropy, head_probes, iteration_outcomes, recording_attention,
+from lab import figures
+from lab.inside import (OUTCOMES, attention_weights, entropy, head_probes, iteration_outcomes, recording_attention,
                     reference_copy, stream_cosine, stream_mass, stream_states, tah_trace)
 from tah import TaHConfig, ThinkAtHard
 
