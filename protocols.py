@@ -19,7 +19,7 @@ import torch
 
 from hd import HDConfig, HiddenDecoding, expand_streams
 from lab import inside
-from lab.report import Arm, Claim, Effect, interval95, result_rows
+from lab.report import Arm, Claim, Effect, finite_reals, interval95, result_rows
 from tah import TaHConfig, ThinkAtHard, oracle_depths
 from tasks import answer_exact
 from trainer import Stage, batch_gen, evaluate, finite_loss, train
@@ -45,20 +45,6 @@ def verdict(deltas, sign):
     if not np.isfinite(mean) or not np.isfinite(d.std(ddof=1)):
         raise ValueError(f"deltas overflow a float's range (mean {mean}): a mean that overflowed is no verdict")
     return "shown" if right_sign and abs(mean) > 2 * d.std(ddof=1) else "not shown"
-
-
-def finite_reals(values, name):
-    """values as a 1-D float array, or one line saying why they are not finite reals."""
-    if isinstance(values, np.ndarray):
-        ok = values.ndim == 1 and values.dtype.kind in "fiu"
-    else:
-        ok = isinstance(values, (list, tuple)) and all(
-            isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) for v in values)
-    if not ok or not np.all(np.isfinite(np.asarray(values, dtype=float))):
-        raise ValueError(f"{name} must be finite real numbers in one dimension, got {values!r}")
-    if len(values) == 0:
-        raise ValueError(f"{name} is empty: there is nothing to judge")
-    return np.asarray(values, dtype=float)
 
 
 def claim_deltas(rows, claim):
@@ -120,11 +106,15 @@ def hd_cont_arm(n):
     return Arm(f"n{n}-continued", f"n={n} continued")
 
 
+def hd_config(preset, vocab, n):
+    """HD with n streams on the text backbone, its layout and window from the preset."""
+    return HDConfig(**backbone_cfg(preset, vocab, layout=preset.layout, window=preset.window, n_streams=n))
+
+
 def hd_backbone(preset, ctx, seed, data, tag):
     """The n = 1 model every HD arm continues from, pretrained for preset.hd_base_iters steps."""
     torch.manual_seed(seed)
-    cfg = HDConfig(**backbone_cfg(preset, data.vocab_size, layout=preset.layout, window=preset.window, n_streams=1))
-    base = HiddenDecoding(cfg).to(ctx.device)
+    base = HiddenDecoding(hd_config(preset, data.vocab_size, 1)).to(ctx.device)
     stage = Stage(preset.hd_base_iters, preset.lr, warmup=preset.warmup, batch=preset.batch, block=preset.block)
     train(f"{tag}/backbone n=1", base, lm_loss, data, stage, ctx, seed)
     return base
@@ -400,7 +390,7 @@ def tah_routing_rows(effects, models, evaluate, seed, arms=TAH_ARMS):
             gain = sweep["always"]["acc"] - std_metrics["acc"]
             metrics["share of AlwaysThink's gain"] = (metrics["acc"] - std_metrics["acc"]) / gain if gain > 0 \
                 else float("nan")
-        rows += result_rows(effects.routing, arm, seed, metrics) + tah_diagnostics(effects, mode, tokens, seed)
+        rows += result_rows(effects.routing, arm, seed, metrics) + inside.tah_diagnostics(effects, mode, tokens, seed)
     # the compute-accuracy trade-off (TaH Fig. 4): Standard and AlwaysThink are the end points
     for thr in (0.1, 0.3, 0.5, 0.7, 0.8, 0.95):
         sweep[thr] = evaluate(models["tah"], "decider", thr)[0]
@@ -408,22 +398,6 @@ def tah_routing_rows(effects, models, evaluate, seed, arms=TAH_ARMS):
         arm = {"standard": STANDARD, "always": ALWAYS}.get(key) or Arm(f"decider-{key}", f"TaH decider, threshold {key}")
         rows += result_rows(effects.sweep, arm, seed, {k: sweep[key][k] for k in ("iterated", "acc")})
     return rows
-
-
-def tah_diagnostics(effects, mode, tokens, seed):
-    """Oracle: pass 1 alone against the sum. Decider: the easy answers it sends on (overthinking)."""
-    share = lambda m: m.float().mean().item() if m.numel() else float("nan")
-    if mode == "oracle":
-        h = tokens["hard"]
-        return result_rows(effects.diagnostics, Arm("oracle", "TaH under the oracle"), seed, {
-            "hard share of answers": share(h), "pass-1 acc, easy answers": share(tokens["first_ok"][~h]),
-            "pass-1 acc, hard answers": share(tokens["first_ok"][h]), "summed acc, hard answers": share(tokens["ok"][h])})
-    if mode == "decider":
-        sent = tokens["went"] & ~tokens["hard"]  # easy answers the decider sent on
-        return result_rows(effects.diagnostics, Arm("decider", "TaH under the decider"), seed, {
-            "easy answers sent on": share(sent), "of those, right after pass 1": share(tokens["first_ok"][sent]),
-            "of those, right after pass 2": share(tokens["ok"][sent])})
-    return []
 
 
 def tah_claims(effects, task):

@@ -23,10 +23,10 @@ import torch
 
 import tasks
 from generate import generate
-from hd import HDConfig, HiddenDecoding
+from hd import HiddenDecoding
 from lab.files import load_checkpoint
 from lab.presets import check_preset
-from protocols import backbone_cfg, tah_config
+from protocols import hd_config, tah_config
 from tah import ThinkAtHard
 from train_tiny import Preset
 
@@ -47,8 +47,7 @@ def hd_text(preset, data, run_dir, out, seed, *, tokens, temperature, top_k):
     at a time."""
     text = tasks.load_text(data, tuple(preset.plays), preset.block, out)
     n = max(preset.hd_ns)
-    cfg = HDConfig(**backbone_cfg(preset, text.vocab_size, layout=preset.layout, window=preset.window, n_streams=n))
-    model = load(HiddenDecoding, cfg, run_dir / "ckpt" / f"hd_n_{n}_continued_s{seed}.pt")
+    model = load(HiddenDecoding, hd_config(preset, text.vocab_size, n), run_dir / "ckpt" / f"hd_n_{n}_continued_s{seed}.pt")
     ids, g = text.split["val"][None, :16], torch.Generator().manual_seed(seed)
     prompt = len(ids[0])
     while ids.size(1) < prompt + tokens:

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 
 import protocols  # noqa: E402
 from lab import figures, inside, presets, report, runner  # noqa: E402
-from lab.files import loss_curves  # noqa: E402
-from tasks import Arith, Lookups, load_text  # noqa: E402
+from lab.arith import Arith  # noqa: E402
+from tasks import Lookups, load_text  # noqa: E402
 from trainer import log  # noqa: E402
 
 
@@ -167,7 +167,7 @@ def say_what_runs(flags, text):
             "(the report is in results.md)")
     log(f"preset {flags.preset_name}: {flags.preset}")
     log(f"{flags.ctx.device}, compile {'on' if flags.ctx.compile else 'off'}; "
-        f"{presets.describe(flags.preset, flags.ctx.device)}")
+        f"{report.describe(protocols.hd_config(flags.preset, 100, max(flags.preset.hd_ns)), flags.ctx.device)}")
     if text is not None:
         log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}")
 
@@ -184,7 +184,7 @@ def write_report(flags, ctx, rows, seconds):
             for name, title in {**inside.HD_INSIDE_MD, **inside.TAH_INSIDE_MD}.items()}
     summary = report.write_report(rows, protocols.judge(rows, claims(flags)), flags.out, header=header,
                                   rule=protocols.RULE, meta=meta, inside=kept, brief=flags.smoke)
-    drawn = [figures.plot(loss_curves(ctx.run_dir), flags.out)]
+    drawn = [figures.plot(figures.loss_curves(ctx.run_dir), flags.out)]
     if "hd" in flags.suites:
         drawn.append(inside.plot_hd_streams(summary, flags.out, flags.preset.hd_ns))
     if set(flags.suites) & {"tah", "tah-hidden", "tah-add"}:

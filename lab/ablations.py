@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 import protocols
-from hd import HiddenDecoding, HDConfig, expand_streams
+from hd import HiddenDecoding, expand_streams
 from lab import inside
 from lab.report import Arm, Claim, Effect, result_rows
 from moe import ModelConfig, Transformer
@@ -110,9 +110,7 @@ def hd_ablations(preset, ctx, seed, data, trained):
         rows += result_rows(effect, arm, seed, evaluate(model, data, preset, ctx))
     for arm, n in hd_scratch_arms(preset):
         torch.manual_seed(seed)
-        cfg = HDConfig(**backbone_cfg(preset, data.vocab_size, layout=preset.layout, window=preset.window,
-                                      n_streams=n))
-        model = HiddenDecoding(cfg).to(ctx.device)
+        model = HiddenDecoding(protocols.hd_config(preset, data.vocab_size, n)).to(ctx.device)
         train(f"hd/{arm.label}", model, lm_loss, data, from_scratch(preset), ctx, seed)
         rows += result_rows(HD_SCRATCH, arm, seed, evaluate(model, data, preset, ctx))
     return rows

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lab.files import load_checkpoint
+
 
 def pyplot():
     """matplotlib's pyplot without a screen, or None where matplotlib is missing (no plots)."""
@@ -26,6 +28,16 @@ def saved(fig, path):
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
     return path
+
+
+def loss_curves(run_dir):
+    """(suite, arm) -> per-seed training losses, from the checkpoints' own record."""
+    curves = {}
+    for f in sorted((run_dir / "ckpt").glob("*.pt")):
+        state = load_checkpoint(f)
+        suite, arm = state["meta"]["arm"].split("/", 1)
+        curves.setdefault((suite, arm), []).append(state["losses"])
+    return curves
 
 
 def plot(curves, out_dir):

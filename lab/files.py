@@ -99,16 +99,6 @@ def resume(ckpt, model, opts, dev, meta):
     return state["iter"], state["losses"]
 
 
-def loss_curves(run_dir):
-    """(suite, arm) -> per-seed training losses, from the checkpoints' own record."""
-    curves = {}
-    for f in sorted((run_dir / "ckpt").glob("*.pt")):
-        state = load_checkpoint(f)
-        suite, arm = state["meta"]["arm"].split("/", 1)
-        curves.setdefault((suite, arm), []).append(state["losses"])
-    return curves
-
-
 # -----------------------------------------------------------------------------
 # The finished rows of a run
 

@@ -318,6 +318,22 @@ def tah_rows(model, batches, data, seed, effect, threshold=None):
     return rows
 
 
+def tah_diagnostics(effects, mode, tokens, seed):
+    """Oracle: pass 1 alone against the sum. Decider: the easy answers it sends on (overthinking)."""
+    share = lambda m: m.float().mean().item() if m.numel() else float("nan")
+    if mode == "oracle":
+        h = tokens["hard"]
+        return result_rows(effects.diagnostics, Arm("oracle", "TaH under the oracle"), seed, {
+            "hard share of answers": share(h), "pass-1 acc, easy answers": share(tokens["first_ok"][~h]),
+            "pass-1 acc, hard answers": share(tokens["first_ok"][h]), "summed acc, hard answers": share(tokens["ok"][h])})
+    if mode == "decider":
+        sent = tokens["went"] & ~tokens["hard"]  # easy answers the decider sent on
+        return result_rows(effects.diagnostics, Arm("decider", "TaH under the decider"), seed, {
+            "easy answers sent on": share(sent), "of those, right after pass 1": share(tokens["first_ok"][sent]),
+            "of those, right after pass 2": share(tokens["ok"][sent])})
+    return []
+
+
 def tah_claims(effect, task):
     return [Claim(f"{task}: among the two-hop answers sent on, the second pass corrects more than it corrupts",
                   effect, KINDS[2], baseline=0, metric=FIXES, sign=+1)]

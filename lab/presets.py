@@ -6,12 +6,10 @@ what a run's first lines say of how its models attend (describe).
 import math
 from dataclasses import fields
 
-import torch
-
 from checks import MAX_INT, check_fits
-from hd import HDConfig, attention_path
-from protocols import backbone_cfg, tah_config
-from tasks import Arith, Lookups
+from protocols import hd_config, tah_config
+from lab.arith import Arith
+from tasks import Lookups
 
 MAX_STEPS, MAX_SEEDS = 10**6, 1000  # the counts' stated maxima: steps (every *iters, warm-up, batches), seeds
 COUNTS = {"seeds": MAX_SEEDS, **{f: MAX_STEPS for f in ("iters", "warmup", "hd_base_iters", "hd_cont_iters",
@@ -56,8 +54,7 @@ def check_models(preset, device, sharing=1):
             return (f"--block {preset.block} holds no whole {type(task).__name__} problem ({task.problem_len} "
                     f"tokens): raise --block or lower --{name}")
     try:
-        cfgs = [(HDConfig(**backbone_cfg(preset, TEXT_VOCAB, layout=preset.layout, window=preset.window,
-                                         n_streams=max(preset.hd_ns))), preset.batch)]
+        cfgs = [(hd_config(preset, TEXT_VOCAB, max(preset.hd_ns)), preset.batch)]
         lookups = Lookups(preset.symbols, preset.queries, preset.two_hop, preset.three_hop)
         for task, layers in ((lookups, preset.tah_layers), (Arith(preset.digits), preset.add_layers)):
             cfgs.append((tah_config(preset, task, layers), preset.tah_batch))
@@ -69,18 +66,3 @@ def check_models(preset, device, sharing=1):
         except ValueError as e:
             return f"{e} (--batch {preset.batch}, --tah_batch {preset.tah_batch})"
     return None
-
-
-PATHS = {"fold": "streams folded, causal kernel", "causal": "causal kernel", "block": "flex block mask",
-         "dense": "dense mask"}
-
-
-def describe(preset, device):
-    """How each layer of the largest HD model attends on this device (hd.attention_path), and TaH's mask."""
-    n = max(preset.hd_ns)
-    cfg = HDConfig(**backbone_cfg(preset, 100, layout=preset.layout, window=preset.window, n_streams=n))
-    skip = cfg.mirrored.start if cfg.mirror_skip_on else None
-    dev = torch.device(device)
-    layers = [f"{i} {letter}: {PATHS[attention_path(cfg, i, skip is not None and i >= skip, dev)]}"
-              + (" (final stream only)" if skip is not None and i >= skip else "") for i, letter in enumerate(cfg.layout)]
-    return f"HD n = {n} attention by layer: {'; '.join(layers)}. TaH: dense masks (duo-causal)"

@@ -12,6 +12,9 @@ import json
 from dataclasses import KW_ONLY, dataclass
 
 import numpy as np
+import torch
+
+from hd import attention_path
 
 from lab.files import atomic
 
@@ -58,6 +61,20 @@ class Claim:
                 and isinstance(self.baseline, (Arm, int, float))):
             raise TypeError(f"claim {self.name!r}: an Effect, an Arm and a baseline Arm or number, got "
                             f"{type(self.effect).__name__}, {type(self.arm).__name__}, {type(self.baseline).__name__}")
+
+
+def finite_reals(values, name):
+    """values as a 1-D float array, or one line saying why they are not finite reals."""
+    if isinstance(values, np.ndarray):
+        ok = values.ndim == 1 and values.dtype.kind in "fiu"
+    else:
+        ok = isinstance(values, (list, tuple)) and all(
+            isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) for v in values)
+    if not ok or not np.all(np.isfinite(np.asarray(values, dtype=float))):
+        raise ValueError(f"{name} must be finite real numbers in one dimension, got {values!r}")
+    if len(values) == 0:
+        raise ValueError(f"{name} is empty: there is nothing to judge")
+    return np.asarray(values, dtype=float)
 
 
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -221,6 +238,24 @@ def trace_table(trace, names, describe):
         lines.append(f"| {i} | {cell(name)} | {nxt} | {trace['passes'][i].item()} | {trace['go'][i].item():.3f} | "
                      f"{cell(describe(trace['first'][i].item()))} | {cell(describe(trace['final'][i].item()))} |")
     return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# How a run's models attend, said in its first lines
+
+
+PATHS = {"fold": "streams folded, causal kernel", "causal": "causal kernel", "block": "flex block mask",
+         "dense": "dense mask"}
+
+
+def describe(cfg, device):
+    """How each layer of the HD model `cfg` attends on this device (hd.attention_path), and TaH's mask."""
+    n = cfg.n_streams
+    skip = cfg.mirrored.start if cfg.mirror_skip_on else None
+    dev = torch.device(device)
+    layers = [f"{i} {letter}: {PATHS[attention_path(cfg, i, skip is not None and i >= skip, dev)]}"
+              + (" (final stream only)" if skip is not None and i >= skip else "") for i, letter in enumerate(cfg.layout)]
+    return f"HD n = {n} attention by layer: {'; '.join(layers)}. TaH: dense masks (duo-causal)"
 
 
 # -----------------------------------------------------------------------------

@@ -1,14 +1,8 @@
 """
-The machinery around train_tiny.py's main, one job a section:
-
-    flags = runner.parse_flags(argv, ...)      # the command line, checked whole before anything is written
-    with runner.open_run(flags) as jobs:       # torchrun, the run's folder and its finished rows;
-        jobs.train(work, suite=, seed=, data=) # each (suite, seed) here, or in a --jobs process
-        rows = jobs.wait()                     # every row, saved as each (suite, seed) finished
-
-The run's folder is keyed by everything that can change a result, so a killed run resumes: the
-(suite, seed)s already done are skipped. Each finished (suite, seed) says the run's time left from
-the pace so far. Ctrl-C and file-system errors end the run with one line.
+The machinery around train_tiny.py's main, a section a job: torchrun's ranks; the command line
+(parse_flags: checked whole before anything is written); the run's folder (keyed by everything that
+can change a result, so a killed run resumes where it stopped; open_run: Ctrl-C and file errors as
+one line); the job pool (Jobs: each (suite, seed) here or in a --jobs process, and the time left).
 """
 
 import argparse
@@ -49,21 +43,16 @@ def dist_env(env):
     """(ddp, rank, world) from torchrun's variables, or one clear error."""
     if env.get("RANK") is None:
         return False, 0, 1
-    try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    except (KeyError, ValueError):
-        raise SystemExit(f"error: RANK={env.get('RANK')!r} needs an integer WORLD_SIZE (got "
-                         f"{env.get('WORLD_SIZE')!r}); launch with torchrun, or unset RANK")
+    if missing := [k for k in ("WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]:
+        raise SystemExit(f"error: RANK is set but {', '.join(missing)} not: launch with torchrun, or unset RANK")
+    numbers = {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    if not all(v.isdigit() for v in numbers.values()):
+        raise SystemExit(f"error: RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT must be integers, got {numbers}")
+    rank, world, port = (int(numbers[k]) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
     if not 0 <= rank < world:
         raise SystemExit(f"error: RANK={rank} is not in [0, WORLD_SIZE={world})")
-    missing = [k for k in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
-    if missing:
-        raise SystemExit(f"error: RANK is set but {', '.join(missing)} not: launch with torchrun, or unset RANK")
-    if not env["MASTER_PORT"].isdigit() or not env["LOCAL_RANK"].isdigit():
-        raise SystemExit(f"error: MASTER_PORT and LOCAL_RANK must be integers, got {env['MASTER_PORT']!r} and "
-                         f"{env['LOCAL_RANK']!r}")
-    if not 0 < int(env["MASTER_PORT"]) < 65536:
-        raise SystemExit(f"error: MASTER_PORT must be a port in 1..65535, got {env['MASTER_PORT']}")
+    if not 0 < port < 65536:
+        raise SystemExit(f"error: MASTER_PORT must be a port in 1..65535, got {port}")
     return True, rank, world
 
 
@@ -72,8 +61,7 @@ MASTER = RANK == 0
 
 
 def start_ddp(device, timeout=60):
-    """torchrun's process group (nccl on CUDA, gloo on CPU), or one line saying why not; returns
-    the device this rank trains on."""
+    """torchrun's process group (nccl on CUDA, gloo on CPU), or one line; the device this rank trains on."""
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     try:
         socket.getaddrinfo(addr, port)
@@ -135,17 +123,15 @@ def parser(doc, presets, suites, headline):
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument
     arg("--suite", default="headline", metavar="{headline,all," + ",".join(headline) + ",...}",
-        help=f"headline: {' and '.join(headline)}; all: every suite with every ablation arm; or a comma list of "
-             + ",".join(suites))
-    arg("--preset", choices=sorted(presets), help="the budget: default (when not given) is the measured protocol, "
-        "on any device; large is wider and longer, for a GPU, and not yet measured")
+        help=f"headline: {' and '.join(headline)}; all: every suite with every ablation arm; or some of " + ",".join(suites))
+    arg("--preset", choices=sorted(presets), help="the budget: default (when not given), the measured protocol, on "
+        "any device; large, wider and longer, for a GPU, not yet measured")
     arg("--smoke", action="store_true", help="every suite's code path, tiny and fast (its own preset)")
     arg("--data", help="train the text suites on this UTF-8 text file instead of Shakespeare")
     arg("--accum", type=int, default=1, help="gradient accumulation micro-steps (default: 1)")
     arg("--muon", action="store_true", help="Muon for 2-D weights in the blocks, AdamW for the rest")
-    arg("--compile", action=argparse.BooleanOptionalAction, default=False,
-        help="torch.compile the training steps (the backbone and HD whole, TaH per pass): off by default on every "
-             "device, since a default run's 11 graphs cost more to compile than they save (RESULTS, 'Compile')")
+    arg("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile the training steps; "
+        "off by default, since a default run's graphs cost more to compile than they save (RESULTS, 'Compile')")
     arg("--out", default="out", help="folder for results, checkpoints and the token cache (default: out)")
     arg("--log_every", type=int, default=50, help="steps between log lines (default: 50)")
     arg("--ckpt_every", type=int, default=50, help="steps between checkpoints (default: 50)")
@@ -153,14 +139,11 @@ def parser(doc, presets, suites, headline):
         help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
     arg("--threads", type=int, default=1, help="CPU threads per process (default: 1); float sums, and so the "
         "last digits, depend on it (the README's runs used 1)")
-    arg("--jobs", type=int,
-        help="(suite, seed)s trained at once, each in a process of its own; the numbers do not depend on it "
-             "(default: the usable cores // --threads, on a CPU and on one GPU, whose launch-bound tiny steps leave "
-             "it idle otherwise; under torchrun 1). --jobs 1 runs everything in this one process, where "
-             "breakpoint() works")
+    arg("--jobs", type=int, help="(suite, seed)s trained at once, each in a process of its own; the numbers do not "
+        "depend on it (default: the usable cores // --threads, on a GPU too; under torchrun 1); --jobs 1: all in "
+        "this one process, where breakpoint() works")
     arg("--seed0", type=int, default=0, help="the first seed: a run trains seeds seed0 .. seed0 + seeds - 1 (default: 0)")
-    arg("--fresh", action="store_true",
-        help="delete this configuration's checkpoints and finished rows first, and train everything again")
+    arg("--fresh", action="store_true", help="delete this configuration's checkpoints and rows first, and train anew")
     arg("--dev", action="store_true", help="evaluate on the dev set instead of the held-out set: for trying things out")
     group = ap.add_argument_group("preset overrides (default: the preset's value): the budget, nanoGPT style "
                                   "(--n_layer=4, --plays=macbeth,hamlet)")
@@ -201,16 +184,12 @@ def check_flags(a, names, suites, text_suites):
                 f"bits), got {a.seed0}")
     if a.data and not Path(a.data).is_file():
         return f"--data {a.data}: no such file" + (" (it is a folder)" if Path(a.data).is_dir() else "")
-    return check_device(a.device)
-
-
-def check_device(device):
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        return f"--device must be cpu, cuda or cuda:N, got {device!r}"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        return f"--device {device}: CUDA is not available"
-    if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
-        return f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)"
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
+        return f"--device must be cpu, cuda or cuda:N, got {a.device!r}"
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device {a.device}: CUDA is not available"
+    if ":" in a.device and int(a.device.split(":")[1]) >= torch.cuda.device_count():
+        return f"--device {a.device}: only {torch.cuda.device_count()} CUDA device(s)"
     return None
 
 
@@ -220,8 +199,7 @@ def is_utf8(path):
 
 def parse_flags(argv, *, doc, presets, suites, headline, text_suites, check):
     """The command line checked whole, before anything is written: Flags, or one line and exit 2.
-    presets: name -> Preset; suites: every suite, in the report's order; headline: those a plain
-    run trains; text_suites: those that read the text; check(preset, **sizes): lab/presets.py's."""
+    suites: every suite in the report's order; headline: a plain run's; text_suites: those on text."""
     ap = parser(doc, presets, suites, headline)
     a = ap.parse_args(argv)
     names = {"headline": list(suites) if a.smoke else list(headline), "all": list(suites)}.get(
@@ -241,20 +219,18 @@ def parse_flags(argv, *, doc, presets, suites, headline, text_suites, check):
                   log_every=a.log_every, ckpt_every=a.ckpt_every)
     launch = f"torchrun --nproc_per_node={WORLD} train_tiny.py" if DDP else "python train_tiny.py"
     machine = (torch.cuda.get_device_name() if a.device.startswith("cuda") else
-               f"CPU ({os.cpu_count()} cores; --jobs {jobs}, --threads {a.threads})") + (f", world size {WORLD}" if DDP
-                                                                                         else "")
+               f"CPU ({os.cpu_count()} cores; --jobs {jobs}, --threads {a.threads})") + f", world size {WORLD}" * DDP
     return Flags(preset=preset, preset_name=preset_name, suites=names, order=list(suites), seeds=seeds,
                  out=Path(a.out), data=a.data, jobs=jobs, threads=a.threads, smoke=a.smoke, fresh=a.fresh, ctx=ctx,
                  command=" ".join([launch] + (sys.argv[1:] if argv is None else argv)), machine=machine)
 
 
 # -----------------------------------------------------------------------------
-# The run's folder: keyed by everything that can change a result, holding its finished rows
+# The run's folder, keyed by everything that can change a result, and its finished rows
 
 
-# Every process of a run: a compiled function (CUDA's flex, --compile's models) that meets dynamo's
-# recompile limit stops the run, instead of falling back with a warning to eager (for flex: the unfused
-# kernel). The limit allows a graph per arm configuration (--suite all: TaH's passes take 28).
+# A compiled function (CUDA's flex, --compile's models) that meets dynamo's recompile limit stops the run
+# rather than fall back to eager with a warning; the limit allows a graph per arm configuration (TaH: 28).
 DYNAMO = dict(fail_on_recompile_limit_hit=True, recompile_limit=64)
 
 HERE = Path(__file__).resolve().parent.parent
@@ -278,8 +254,8 @@ def run_key(flags):
 
 
 def open_folder(flags):
-    """The run's folder <out>/run-<key> (made, or emptied with --fresh), swept of a killed run's
-    temporaries: the trainer's context with it, and the rows it holds already."""
+    """<out>/run-<key> (made, or emptied with --fresh), swept of a killed run's temporaries: the
+    trainer's context with it, and the rows it holds already."""
     flags.out.mkdir(parents=True, exist_ok=True)
     for tmp in flags.out.glob("*.tmp"):  # results or a token cache of a run killed mid-write
         tmp.unlink(missing_ok=True)
@@ -295,9 +271,8 @@ def open_folder(flags):
 
 @contextlib.contextmanager
 def open_run(flags):
-    """The run, entered: torchrun's process group, dynamo's limits, the folder and its finished rows,
-    the job pool (Jobs). On the way out the last --jobs processes are waited for; an error or Ctrl-C
-    stops the others, and Ctrl-C and file-system errors become one line."""
+    """The run: torchrun's process group, dynamo's limits, the folder and its rows, the job pool (Jobs).
+    On the way out the --jobs processes are waited for, or on an error stopped (Ctrl-C: one line)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Ctrl-C saves what finished, then one line
     stack = contextlib.ExitStack()
     jobs = None
@@ -321,7 +296,6 @@ def open_run(flags):
 
 
 def one_line(e):
-    """Ctrl-C and file-system errors as one line and an exit status; any other error as it is."""
     if isinstance(e, KeyboardInterrupt):  # under torchrun every rank gets it
         if MASTER:
             print("interrupted: what finished is saved (rows after each (suite, seed), checkpoints every "
@@ -338,15 +312,14 @@ def one_line(e):
 
 
 class Jobs:
-    """The (suite, seed)s of a run: trained here (--jobs 1) or each in a process of its own, skipped
-    where the folder's rows have them, their rows saved as each finishes (sorted in the report's
-    order, so that the report's sums depend neither on --jobs nor on a resume)."""
+    """The (suite, seed)s of a run, here (--jobs 1) or each in a process of its own; those the rows
+    have are skipped; each one's rows saved as it finishes, in the report's order (so the report's
+    sums depend neither on --jobs nor on a resume)."""
 
     def __init__(self, flags, ctx, rows):
         self.flags, self.ctx, self.rows = flags, ctx, rows
         done = {(r["suite"], r["seed"]) for r in rows}
         self.todo = [(s, k) for s in flags.suites for k in flags.seeds if (s, k) not in done]
-        self.waiting = list(self.todo)  # not started yet
         self.parallel = flags.jobs > 1 and len(self.todo) > 1
         self.running, self.took, self.t0 = {}, {}, time.time()
         if self.parallel:
@@ -356,11 +329,10 @@ class Jobs:
             self.results = multiprocessing.get_context("spawn").Queue()
 
     def train(self, work, *, suite, seed, data):
-        """One (suite, seed)'s rows = work(suite, preset, ctx, seed, data), here or in a --jobs process
-        (work: a module-level function, which a spawned process can import); skipped if done."""
+        """One (suite, seed)'s rows = work(suite, preset, ctx, seed, data) (a module-level function: a
+        spawned process imports it), here or in a --jobs process; skipped if done."""
         if (suite, seed) not in self.todo:
             return log(f"{suite} seed {seed}: already done, skipped")
-        self.waiting.remove((suite, seed))
         if not self.parallel:
             self.running[suite, seed] = (time.time(), None)
             return self.finished(suite, seed, work(suite, self.flags.preset, self.ctx, seed, data))
@@ -380,8 +352,7 @@ class Jobs:
         return self.rows
 
     def collect(self):
-        """The next (suite, seed) a --jobs process finished (waiting at most a second); a process's
-        error, or one that died, stops the run."""
+        """The next (suite, seed) a --jobs process finished (within a second); an error, or a death, stops all."""
         try:
             suite, seed, rows = self.results.get(timeout=1.0)
         except queue.Empty:  # a process that ended without a result died (killed, out of memory, a bug)
