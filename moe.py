@@ -196,31 +196,9 @@ def causal_after(start, T, device, keys=None):
     return dense_mask(causal, new, torch.arange(start + T if keys is None else keys, device=device))
 
 
-def cache_start(caches, start, rows_per_token=1):
-    """Where the new tokens go: `start`, the tokens the caches hold, or for caches that count them
-    on the device (generate.StaticCache: a decode step replayed as a CUDA graph reads no host
-    number) that count, a tensor. Returns (start, keys): keys None (a cache returns the tokens so
-    far), or the tokens a static cache has room for and returns whole."""
-    if caches is None or not getattr(caches[0], "static", False):
-        return start, None
-    written = caches[0].written  # None before the cache's first write (the prompt)
-    return 0 if written is None else written // rows_per_token, caches[0].capacity // rows_per_token
-
-
 def dense_mask(mask_mod, q_idx, kv_idx):
     """The reference form of any mask_mod: a (Tq, Tk) boolean tensor, True = may attend."""
     return mask_mod(0, 0, q_idx[:, None], kv_idx[None, :])
-
-
-# Eager CUDA calls this one compiled flex, made once (flex is fused only when compiled). dynamic: one
-# graph serves every batch size and key length, but for torch's special sizes of 1; dynamic=False
-# recompiled per shape until the recompile limit sent it back to the unfused flex, which
-# materializes the scores.
-def compiled_flex(backend="inductor"):
-    return torch.compile(flex_attention, dynamic=True, backend=backend)
-
-
-FLEX = compiled_flex()
 
 
 def attend(q, k, v, mask):
@@ -245,35 +223,6 @@ def attend(q, k, v, mask):
     return sdpa(q, k, v, mask)
 
 
-def sdpa(q, k, v, mask, is_causal=False):
-    """F.scaled_dot_product_attention for GQA. On CUDA FlashAttention takes neither a mask nor
-    float32, and the fused kernels that do take no GQA: there K and V are expanded to every query
-    head (expands_kv), so a fused kernel serves instead of the math fallback, which materializes
-    the (B, H, Tq, Tk) scores."""
-    gqa = q.size(1) != k.size(1)
-    if gqa and expands_kv(q, mask):
-        G = q.size(1) // k.size(1)
-        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # query head h reads K/V head h // G
-        gqa = False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
-
-
-def expands_kv(q, mask):
-    """Whether sdpa expands K/V for this call: on CUDA, with a mask or outside fp16/bf16."""
-    return q.is_cuda and (mask is not None or q.dtype not in (torch.float16, torch.bfloat16))
-
-
-def attend_folded(q, k, v, mask):
-    """Exact GQA with each K/V head's G query heads run as G * Tq rows of that head (the mask
-    repeated per head): a K/V row is read once per group, where SDPA's CPU enable_gqa reads it
-    once per query head. It pays while the rows fit one CPU query tile (32)."""
-    B, H, Tq, hd = q.shape
-    G = H // k.size(1)
-    mask = None if mask is None else mask.repeat(*(1,) * (mask.dim() - 2), G, 1)
-    y = F.scaled_dot_product_attention(q.reshape(B, H // G, G * Tq, hd), k, v, attn_mask=mask)
-    return y.reshape(B, H, Tq, hd)  # reshape: SDPA's output layout is its own (on CUDA no view is legal)
-
-
 # -----------------------------------------------------------------------------
 # Feed-forward: dense SwiGLU, and the MoE with loss-free balancing
 
@@ -287,9 +236,6 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
-GATHER_ROWS = 4  # auto, eager: (token, k) pairs up to which gather beats sorting by expert (bench.py 4h)
 
 
 class MoE(nn.Module):
@@ -320,6 +266,45 @@ class MoE(nn.Module):
         idx = torch.topk(scores + self.bias, self.cfg.top_k, dim=-1).indices
         return idx, scores.gather(-1, idx)
 
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, C)
+        idx, weights = self.route(x)  # (N, k) each
+        counts = idx.new_zeros(self.cfg.n_experts).index_add_(0, idx.flatten(), torch.ones_like(idx.flatten()))
+        self.last_load = counts.detach().float()
+        if self.training and torch.is_grad_enabled():  # evaluation and sampling don't count
+            self.step_load += self.last_load
+        dev = x.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        mode = self.dispatch(x.size(0), dt, dev)
+        if mode != "loop":  # the same sum by a faster route (the fast paths, at the end of the file)
+            y = self.fast_experts(x, idx, weights, counts, mode, dt)
+        else:  # the reference: the (token, k) pairs sorted by expert, each expert on its run of rows
+            order = idx.flatten().argsort(stable=True)
+            token = order // self.cfg.top_k
+            runs = x[token].to(dt).split(counts.tolist())
+            ys = torch.cat([self.expert(e, xe) for e, xe in enumerate(runs)]) * weights.flatten()[order, None]
+            y = torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+        return (y.to(x.dtype) + self.shared(x)).view(shape)
+
+    def expert(self, e, x):
+        """Routed expert e, a SwiGLU, on rows x: down(silu(gate x) * up x)."""
+        g, u = (x @ self.w_gate_up[e]).chunk(2, dim=-1)
+        return (F.silu(g) * u) @ self.w_down[e]
+
+    @torch.no_grad()
+    def update_bias(self, gamma):
+        """Loss-free balancing (DeepSeek-V3 §2.1.2): b += gamma * sign(mean_load - load), load the
+        step's selections (every micro-step since the last call) summed over DDP ranks."""
+        load = self.step_load.clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(load)
+        self.bias += gamma * torch.sign(load.mean() - load)
+        self.step_load.zero_()
+        return load
+
+    # -- fast paths of the same sum (forward's reference is the loop) ------------------
+
     def dispatch(self, N, dt, dev):
         """The moe_dispatch that runs N rows. "auto": compiled or recorded for a CUDA graph, gather
         while it moves fewer bytes than masked, else masked; eagerly gather for a decode step's few
@@ -339,66 +324,43 @@ class MoE(nn.Module):
 
     def gathered(self, x, idx):
         """Static shapes: row n runs its k chosen experts as one batched matmul over their
-        gathered weights, (N, k, 1, C) @ (N, k, C, 2I). Returns (N, k, C)."""
-        g, u = (x[:, None, None] @ self.w_gate_up[idx].to(x.dtype)).chunk(2, dim=-1)
-        return ((F.silu(g) * u) @ self.w_down[idx].to(x.dtype)).squeeze(2)
+        gathered weights, (N, k, 1, C) @ (N, k, C, 2I). Returns (N, k, C), in float32 at least
+        (autocast off): each pair's weight gradient is an outer product of its own, summed into
+        the expert's after the gather, which float16 cannot hold where the loop's matmul can."""
+        with torch.autocast(x.device.type, enabled=False):
+            x = upcast(x)
+            w_gate_up, w_down = self.w_gate_up.to(x.dtype), self.w_down.to(x.dtype)  # cast whole, then gathered
+            g, u = (x[:, None, None] @ w_gate_up[idx]).chunk(2, dim=-1)
+            return ((F.silu(g) * u) @ w_down[idx]).squeeze(2)
 
     def masked(self, x, idx, weights):
         """Static shapes for many rows: every expert on every row as two matmuls, (N, C) @ (C, E*2I)
-        and (N, E*I) @ (E*I, C), each expert's hidden scaled by its weight, and exactly 0 where
-        unchosen (selected, not multiplied by 0: an unchosen expert's inf would make NaN)."""
+        and (N, E*I) @ (E*I, C), each expert's hidden scaled by its weight. An unchosen expert's
+        hidden is selected away before the nonlinearity (exactly 0, its gradient too: an inf
+        there, times 0, would make NaN); the weights keep their own dtype, float32 at least, so
+        their gradient, a sum over the hidden units, does not overflow in float16."""
         E, C, I = self.cfg.n_experts, self.cfg.n_embd, self.cfg.expert_hidden
         h = (x @ self.w_gate_up.to(x.dtype).transpose(0, 1).reshape(C, 2 * E * I)).view(-1, E, 2 * I)
-        g, u = h.chunk(2, dim=-1)
-        combine = torch.zeros(x.size(0), E, dtype=x.dtype, device=x.device).scatter(1, idx, weights.to(x.dtype))
         chosen = torch.zeros(x.size(0), E, dtype=torch.bool, device=x.device).scatter(1, idx, True)
-        act = torch.where(chosen[..., None], F.silu(g) * u * combine[..., None], 0).reshape(-1, E * I)
-        return act @ self.w_down.to(x.dtype).reshape(E * I, C)
+        g, u = torch.where(chosen[..., None], h, 0).chunk(2, dim=-1)
+        combine = torch.zeros(x.size(0), E, dtype=weights.dtype, device=x.device).scatter(1, idx, weights)
+        act = (F.silu(g) * u * combine[..., None]).reshape(-1, E * I)
+        return act.to(x.dtype) @ self.w_down.to(x.dtype).reshape(E * I, C)
 
-    def sorted_by_expert(self, xs, counts, mode):
-        """xs: the (token, k) rows sorted by expert, counts[e] rows each; expert e on its run."""
-        if mode == "grouped_mm":
-            offs = counts.cumsum(0).to(torch.int32)
-            g, u = F.grouped_mm(xs, self.w_gate_up.to(xs.dtype), offs=offs).chunk(2, dim=-1)
-            return F.grouped_mm((F.silu(g) * u).contiguous(), self.w_down.to(xs.dtype), offs=offs)
-        outs = []
-        for e, xe in enumerate(xs.split(counts.tolist())):
-            g, u = (xe @ self.w_gate_up[e]).chunk(2, dim=-1)
-            outs.append((F.silu(g) * u) @ self.w_down[e])
-        return torch.cat(outs)
-
-    def forward(self, x):
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # (N, C)
-        idx, weights = self.route(x)  # (N, k) each
-        counts = idx.new_zeros(self.cfg.n_experts).index_add_(0, idx.flatten(), torch.ones_like(idx.flatten()))
-        self.last_load = counts.detach().float()
-        if self.training and torch.is_grad_enabled():  # evaluation and sampling don't count
-            self.step_load += self.last_load
-        dev = x.device.type
-        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        mode = self.dispatch(x.size(0), dt, dev)
+    def fast_experts(self, x, idx, weights, counts, mode, dt):
+        """forward's expert sum by a faster route than the reference's loop, in compute dtype dt:
+        gather (static shapes, a decode step's few rows), masked (static shapes, many rows: what
+        torch.compile and CUDA graphs take), grouped_mm (the reference's sort, one grouped matmul)."""
         if mode == "gather":
-            y = (self.gathered(x.to(dt), idx) * weights[..., None]).sum(1)
-        elif mode == "masked":
-            y = self.masked(x.to(dt), idx, weights)
-        else:  # sort the N*k (token, expert) pairs by expert, run each expert on its run
-            order = idx.flatten().argsort(stable=True)
-            token = order // self.cfg.top_k
-            ys = self.sorted_by_expert(x[token].to(dt), counts, mode) * weights.flatten()[order, None]
-            y = torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
-        return (y.to(x.dtype) + self.shared(x)).view(shape)
-
-    @torch.no_grad()
-    def update_bias(self, gamma):
-        """Loss-free balancing (DeepSeek-V3 §2.1.2): b += gamma * sign(mean_load - load), load the
-        step's selections (every micro-step since the last call) summed over DDP ranks."""
-        load = self.step_load.clone()
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(load)
-        self.bias += gamma * torch.sign(load.mean() - load)
-        self.step_load.zero_()
-        return load
+            return (self.gathered(x.to(dt), idx) * weights[..., None]).sum(1)
+        if mode == "masked":
+            return self.masked(x.to(dt), idx, weights)
+        order = idx.flatten().argsort(stable=True)
+        token = order // self.cfg.top_k
+        offs = counts.cumsum(0).to(torch.int32)
+        g, u = F.grouped_mm(x[token].to(dt), self.w_gate_up.to(dt), offs=offs).chunk(2, dim=-1)
+        ys = F.grouped_mm((F.silu(g) * u).contiguous(), self.w_down.to(dt), offs=offs) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
 
 
 # -----------------------------------------------------------------------------
@@ -502,6 +464,64 @@ class Transformer(nn.Module):
         gamma = self.cfg.balance_gamma if gamma is None else gamma
         loads = [m.update_bias(gamma) for m in self.moe_layers()]
         return torch.stack(loads) if loads else torch.zeros(0, 0)
+
+
+# -----------------------------------------------------------------------------
+# Fast paths: what a GPU, a compiled graph or cached decoding needs beside the paper's path above
+
+
+GATHER_ROWS = 4  # auto, eager: (token, k) pairs up to which gather beats sorting by expert (bench.py 4h)
+
+
+def sdpa(q, k, v, mask, is_causal=False):
+    """F.scaled_dot_product_attention for GQA. On CUDA FlashAttention takes neither a mask nor
+    float32, and the fused kernels that do take no GQA: there K and V are expanded to every query
+    head (expands_kv), so a fused kernel serves instead of the math fallback, which materializes
+    the (B, H, Tq, Tk) scores."""
+    gqa = q.size(1) != k.size(1)
+    if gqa and expands_kv(q, mask):
+        G = q.size(1) // k.size(1)
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # query head h reads K/V head h // G
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
+
+
+def expands_kv(q, mask):
+    """Whether sdpa expands K/V for this call: on CUDA, with a mask or outside fp16/bf16."""
+    return q.is_cuda and (mask is not None or q.dtype not in (torch.float16, torch.bfloat16))
+
+
+def attend_folded(q, k, v, mask):
+    """Exact GQA with each K/V head's G query heads run as G * Tq rows of that head (the mask
+    repeated per head): a K/V row is read once per group, where SDPA's CPU enable_gqa reads it
+    once per query head. It pays while the rows fit one CPU query tile (32)."""
+    B, H, Tq, hd = q.shape
+    G = H // k.size(1)
+    mask = None if mask is None else mask.repeat(*(1,) * (mask.dim() - 2), G, 1)
+    y = F.scaled_dot_product_attention(q.reshape(B, H // G, G * Tq, hd), k, v, attn_mask=mask)
+    return y.reshape(B, H, Tq, hd)  # reshape: SDPA's output layout is its own (on CUDA no view is legal)
+
+
+# Eager CUDA calls this one compiled flex, made once (flex is fused only when compiled). dynamic: one
+# graph serves every batch size and key length, but for torch's special sizes of 1; dynamic=False
+# recompiled per shape until the recompile limit sent it back to the unfused flex, which
+# materializes the scores.
+def compiled_flex(backend="inductor"):
+    return torch.compile(flex_attention, dynamic=True, backend=backend)
+
+
+FLEX = compiled_flex()
+
+
+def cache_start(caches, start, rows_per_token=1):
+    """Where the new tokens go: `start`, the tokens the caches hold, or for caches that count them
+    on the device (generate.StaticCache: a decode step replayed as a CUDA graph reads no host
+    number) that count, a tensor. Returns (start, keys): keys None (a cache returns the tokens so
+    far), or the tokens a static cache has room for and returns whole."""
+    if caches is None or not getattr(caches[0], "static", False):
+        return start, None
+    written = caches[0].written  # None before the cache's first write (the prompt)
+    return 0 if written is None else written // rows_per_token, caches[0].capacity // rows_per_token
 
 
 # -----------------------------------------------------------------------------

@@ -180,10 +180,9 @@ def write_report(flags, ctx, rows, seconds):
               f"{eval_set} set; {seconds:.0f} s for this invocation.")
     meta = {"preset": asdict(flags.preset), "run": ctx.run_dir.name, "data": flags.data, "device": flags.machine,
             "world_size": flags.world, "eval_set": ctx.eval_split}
-    kept = {ctx.run_dir / "inside" / name: f"{title}, seed {ctx.seeds[0]}"
-            for name, title in {**inside.HD_INSIDE_MD, **inside.TAH_INSIDE_MD}.items()}
+    kept = {ctx.run_dir / "inside" / name: title for name, title in {**inside.HD_INSIDE_MD, **inside.TAH_INSIDE_MD}.items()}
     summary = report.write_report(rows, protocols.judge(rows, claims(flags)), flags.out, header=header,
-                                  rule=protocols.RULE, meta=meta, inside=kept, brief=flags.smoke)
+                                  rule=protocols.RULE, meta=meta, inside=kept, first_seed=ctx.seeds[0], brief=flags.smoke)
     drawn = [figures.plot(figures.loss_curves(ctx.run_dir), flags.out)]
     if "hd" in flags.suites:
         drawn.append(inside.plot_hd_streams(summary, flags.out, flags.preset.hd_ns))

@@ -262,13 +262,13 @@ def describe(cfg, device):
 # The report of a run
 
 
-def write_report(rows, verdicts, out, *, header, rule, meta, inside, brief=False):
+def write_report(rows, verdicts, out, *, header, rule, meta, inside, first_seed, brief=False):
     """<out>/results.md and results.json (meta, the rule, summary, verdicts) from the rows and their
     verdicts, with the first seed's analyses (`inside`: path -> title, those that exist); prints
     the tables (brief: one line). Returns the summary, which the figures read."""
     summary = summarize(rows)
     md = table(summary, verdicts, header, rule) + "".join(
-        f"\n\n**{title}**\n\n" + path.read_text() for path, title in inside.items()
+        f"\n\n**{title}**, seed {first_seed}\n\n" + path.read_text() for path, title in inside.items()
         if path.exists())
     atomic(out / "results.md", lambda f: f.write((md + "\n").encode()))
     atomic(out / "results.json", lambda f: f.write(json.dumps(
