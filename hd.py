@@ -278,6 +278,60 @@ class HiddenDecoding(nn.Module):
 
 
 # -----------------------------------------------------------------------------
+# Progressive expansion (HD §2.3): copy embedding tables cyclically, keep the backbone
+
+
+def expand_streams(model, n_new, **overrides):
+    """A new model with n_new streams, E_k <- E_{k mod n} (n -> 2n gives E_{n+k} <- E_k).
+
+    model: a HiddenDecoding, or a trained moe.Transformer (starting HD from an n = 1 backbone is
+    the same operation: its wte is E_0). The backbone and LM head carry over unchanged.
+    overrides: HDConfig fields of the new model (e.g. layout, objective); shape fields must match.
+    """
+    if not is_int(n_new) or n_new < 1:
+        raise ValueError(f"n_new must be an int >= 1, got {n_new!r}")
+    if overrides.get("n_streams", n_new) != n_new:
+        raise ValueError(f"n_streams={overrides['n_streams']} contradicts n_new={n_new}: give n_new only")
+    if isinstance(model, HiddenDecoding):
+        cfg, tables = model.cfg, [t.weight for t in model.tables]
+        body = model.backbone.state_dict()
+        new_cfg = replace(cfg, **{**overrides, "n_streams": n_new})
+    elif isinstance(model, Transformer):
+        cfg, tables = model.cfg, [model.wte.weight]
+        body = {k: v for k, v in model.state_dict().items() if not k.startswith("wte.")}
+        new_cfg = HDConfig(**{**cfg.__dict__, "layout": "F" * cfg.n_layer, **overrides, "n_streams": n_new})
+    else:
+        raise ValueError(f"expand_streams takes a HiddenDecoding or a moe.Transformer, got {type(model).__name__}")
+    n = len(tables)
+    if n_new < n or n_new % n:
+        raise ValueError(f"n_new must be a multiple of the current n_streams={n}, got {n_new}")
+    new = HiddenDecoding(new_cfg).to(device=tables[0].device, dtype=tables[0].dtype).train(model.training)
+    load_backbone(new, body, cfg)
+    with torch.no_grad():
+        for k, table in enumerate(new.tables):
+            table.weight.copy_(tables[k % n])
+    return new
+
+
+def load_backbone(model, state_dict, source_cfg=None):
+    """Load backbone weights (no wte) into model, raising ValueError on a shape mismatch."""
+    if source_cfg is not None:
+        for f in ("vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "head_dim", "n_experts",
+                  "expert_hidden", "ffn_hidden", "kv_mirror", "rope_fraction"):
+            if getattr(source_cfg, f) != getattr(model.cfg, f):
+                raise ValueError(f"checkpoint has {f}={getattr(source_cfg, f)}, model has {getattr(model.cfg, f)}")
+    own = model.backbone.state_dict()
+    missing, extra = set(own) - set(state_dict), set(state_dict) - set(own)
+    if missing or extra:
+        raise ValueError(f"checkpoint does not fit the backbone: missing {sorted(missing)[:3]}, "
+                         f"unexpected {sorted(extra)[:3]}")
+    for k, v in state_dict.items():
+        if v.shape != own[k].shape:
+            raise ValueError(f"checkpoint tensor {k} has shape {tuple(v.shape)}, model {tuple(own[k].shape)}")
+    model.backbone.load_state_dict(state_dict)
+
+
+# -----------------------------------------------------------------------------
 # The fast paths (HD §3.2): which attention path serves a layer, and folding streams into the batch
 
 
@@ -335,60 +389,6 @@ def attention_path(cfg, i, final_only, device, cached=False):
     if cfg.layout[i] == "F" and not cached and not final_only:
         return "causal"
     return "block" if not cached and device.type == "cuda" and flex_fits(cfg.head_dim, device) else "dense"
-
-
-# -----------------------------------------------------------------------------
-# Progressive expansion (HD §2.3): copy embedding tables cyclically, keep the backbone
-
-
-def expand_streams(model, n_new, **overrides):
-    """A new model with n_new streams, E_k <- E_{k mod n} (n -> 2n gives E_{n+k} <- E_k).
-
-    model: a HiddenDecoding, or a trained moe.Transformer (starting HD from an n = 1 backbone is
-    the same operation: its wte is E_0). The backbone and LM head carry over unchanged.
-    overrides: HDConfig fields of the new model (e.g. layout, objective); shape fields must match.
-    """
-    if not is_int(n_new) or n_new < 1:
-        raise ValueError(f"n_new must be an int >= 1, got {n_new!r}")
-    if overrides.get("n_streams", n_new) != n_new:
-        raise ValueError(f"n_streams={overrides['n_streams']} contradicts n_new={n_new}: give n_new only")
-    if isinstance(model, HiddenDecoding):
-        cfg, tables = model.cfg, [t.weight for t in model.tables]
-        body = model.backbone.state_dict()
-        new_cfg = replace(cfg, **{**overrides, "n_streams": n_new})
-    elif isinstance(model, Transformer):
-        cfg, tables = model.cfg, [model.wte.weight]
-        body = {k: v for k, v in model.state_dict().items() if not k.startswith("wte.")}
-        new_cfg = HDConfig(**{**cfg.__dict__, "layout": "F" * cfg.n_layer, **overrides, "n_streams": n_new})
-    else:
-        raise ValueError(f"expand_streams takes a HiddenDecoding or a moe.Transformer, got {type(model).__name__}")
-    n = len(tables)
-    if n_new < n or n_new % n:
-        raise ValueError(f"n_new must be a multiple of the current n_streams={n}, got {n_new}")
-    new = HiddenDecoding(new_cfg).to(device=tables[0].device, dtype=tables[0].dtype).train(model.training)
-    load_backbone(new, body, cfg)
-    with torch.no_grad():
-        for k, table in enumerate(new.tables):
-            table.weight.copy_(tables[k % n])
-    return new
-
-
-def load_backbone(model, state_dict, source_cfg=None):
-    """Load backbone weights (no wte) into model, raising ValueError on a shape mismatch."""
-    if source_cfg is not None:
-        for f in ("vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "head_dim", "n_experts",
-                  "expert_hidden", "ffn_hidden", "kv_mirror", "rope_fraction"):
-            if getattr(source_cfg, f) != getattr(model.cfg, f):
-                raise ValueError(f"checkpoint has {f}={getattr(source_cfg, f)}, model has {getattr(model.cfg, f)}")
-    own = model.backbone.state_dict()
-    missing, extra = set(own) - set(state_dict), set(state_dict) - set(own)
-    if missing or extra:
-        raise ValueError(f"checkpoint does not fit the backbone: missing {sorted(missing)[:3]}, "
-                         f"unexpected {sorted(extra)[:3]}")
-    for k, v in state_dict.items():
-        if v.shape != own[k].shape:
-            raise ValueError(f"checkpoint tensor {k} has shape {tuple(v.shape)}, model {tuple(own[k].shape)}")
-    model.backbone.load_state_dict(state_dict)
 
 
 # -----------------------------------------------------------------------------

@@ -280,17 +280,6 @@ class ThinkAtHard(nn.Module):
         self.loras = [m for m in self.backbone.modules() if isinstance(m, LoRALinear)]  # not a ModuleList: no new names
         self.passes_compiled = False  # compile_passes: run_pass under torch.compile
 
-    def set_lora(self, active):
-        for m in self.loras:
-            m.active = active
-
-    def compile_passes(self, on=True):
-        """Each pass through COMPILED_PASS from now on (run_pass compiled, the cache's length a symbolic
-        size). The loop between passes stays eager: the tokens that go on (route, batch_rows, select)
-        and their logits' slots (accumulate) are shapes read off the decider's scores, a graph break each."""
-        self.passes_compiled = on
-        return self
-
     def forward(self, idx, targets=None, mode="standard", depths=None, cache=None, features=False, threshold=None):
         """Depth-wise forward of idx (B, T) under a routing mode:
         standard (every token 1 pass), always (max_depth), oracle (the given depths (B, T)),
@@ -309,7 +298,7 @@ class ThinkAtHard(nn.Module):
         sel, valid = torch.arange(T, device=idx.device).expand(B, T), torch.ones_like(idx, dtype=torch.bool)
         x = self.backbone.wte(idx)
         passes = []
-        run = getattr(cache, "graphed", None) or (COMPILED_PASS if self.passes_compiled else ThinkAtHard.run_pass)
+        run = self.pass_runner(cache)
         for d in range(cfg.max_depth):
             h, kept = run(self, x, start + sel, d, valid, cache, subset)
             kept[cfg.n_layer] = self.backbone.norm_f(h)  # the last state after the final norm, as the authors'
@@ -330,6 +319,11 @@ class ThinkAtHard(nn.Module):
         loss = None if targets is None else F.cross_entropy(upcast(summed.flatten(0, 1)), targets.flatten(),
                                                             ignore_index=-1)
         return TaHOutput(summed, loss, ran, passes[0].logits, passes)
+
+    def pass_runner(self, cache):
+        """How a pass runs: replayed as a CUDA graph where the cache holds one (generate.py's
+        StaticTaHCache), compiled after compile_passes(), else eagerly (run_pass)."""
+        return getattr(cache, "graphed", None) or (COMPILED_PASS if self.passes_compiled else ThinkAtHard.run_pass)
 
     def run_pass(self, x, q_pos, d, valid, cache, rows=None):
         """One pass of the backbone at depth d over the query rows x (B', Tq, C) at positions
@@ -385,8 +379,6 @@ class ThinkAtHard(nn.Module):
         want = {"standard": 1, "always": self.cfg.max_depth, "oracle": depths}[mode]
         return torch.as_tensor(want, device=p.sel.device).expand(shape) > d + 1
 
-    # -- training objectives (§4.3) -------------------------------------------------
-
     def batch_rows(self, active):
         """The batch rows a deeper pass runs: None = every row (gather=False, the reference, which
         computes every token); else (gather=True) the rows with a token going on, (B',), possibly
@@ -418,52 +410,33 @@ class ThinkAtHard(nn.Module):
         w = torch.zeros(*vals.shape[:-1], E.size(0), dtype=E.dtype, device=E.device)
         return w.scatter(-1, ids, F.softmax(vals, dim=-1).to(E.dtype)) @ E
 
+    # -- switches, and the stage losses by their old names ---------------------------------
+
+    def set_lora(self, active):
+        for m in self.loras:
+            m.active = active
+
+    def compile_passes(self, on=True):
+        """Each pass through COMPILED_PASS from now on (run_pass compiled, the cache's length a symbolic
+        size). The loop between passes stays eager: the tokens that go on (route, batch_rows, select)
+        and their logits' slots (accumulate) are shapes read off the decider's scores, a graph break each."""
+        self.passes_compiled = on
+        return self
+
     def stage1_loss(self, idx, targets, depths):
-        """CE of each token's output at its oracle depth; backbone and LoRA train."""
-        return self(idx, targets, mode="oracle", depths=depths).loss
+        """Stage 1's loss (stage1_loss, under "Training (§4.3)" below)."""
+        return stage1_loss(self, idx, targets, depths)
 
     def stage2_loss(self, idx, depths, pos_weight=None):
-        """Decider BCE (class-weighted) on the oracle's continuation labels, backbone frozen.
-
-        The decision after pass d (0-based) of token i has label c = 1[D_i > d + 1]; decisions
-        exist for d < min(max_depth - 1, D_i). The continue class is weighted by pos_weight:
-        None (default) takes the paper's w^(d), #stop / #continue among the batch's decisions
-        after pass d, one weight per depth (§4.3); a number fixes it for every depth and batch,
-        as the authors' code does (about #stop / #continue of their data set: 4.8 and 5.4).
-        Returns (mean loss over decisions, scores, labels).
-
-        Where the defaults part from the authors' code (thu-nics/TaH): the class weight here is
-        the paper's per-depth, per-batch w^(d) (§4.2-4.3), theirs a fixed pos_weight (5.4 or 4.8)
-        or 1; on a batch mixing stops and continues the two differ by up to 9.6 in the loss. For
-        max_depth 3 this is one mean over every decision of every depth; their code combines the
-        depths otherwise, and its loss is 1.86-2.13 times this one.
-        """
-        check_stage2(self.cfg, idx, depths, pos_weight)
-        with torch.no_grad():  # gradient reaches the decider only
-            # the last pass makes no decision, and passes before it never read its keys (k <= d
-            # in every attention variant), so it is not run
-            out = self(idx, mode="oracle", depths=depths.clamp(max=self.cfg.max_depth - 1), features=True)
-        scores, labels, weights = [], [], []
-        for p in out.passes[:self.cfg.max_depth - 1]:
-            s = self.decider(p.features.rows(p.valid))
-            c = (gather(depths, p.sel, p.rows)[p.valid] > p.depth + 1).to(s.dtype)
-            # w^(d) = #stop / #continue (0 when every decision continues), in the scores' dtype
-            w = (c == 0).sum().to(s.dtype) / (c == 1).sum().clamp(min=1).to(s.dtype) if pos_weight is None \
-                else torch.tensor(pos_weight, dtype=s.dtype, device=s.device)
-            scores.append(s)
-            labels.append(c)
-            weights.append(torch.where(c == 1, w, torch.ones_like(s)))
-        scores, labels, weights = torch.cat(scores), torch.cat(labels), torch.cat(weights)
-        # BCE-with-logits where only the continue term carries the weight: w c log s + (1 - c) log(1 - s)
-        loss = -(weights * labels * F.logsigmoid(scores) + (1 - labels) * F.logsigmoid(-scores)).mean()
-        return loss, scores, labels
+        """Stage 2's loss (stage2_loss, under "Training (§4.3)" below): (loss, scores, labels)."""
+        return stage2_loss(self, idx, depths, pos_weight)
 
 
 COMPILED_PASS = torch.compile(ThinkAtHard.run_pass, fullgraph=True, dynamic=True)  # compiles at its first call
 
 
 # -----------------------------------------------------------------------------
-# Oracle labels (§4.3 Eq. 7; App. A.2.1 for max_depth > 2)
+# Training (§4.3): oracle labels (Eq. 7; App. A.2.1 for max_depth > 2), then the two stages' losses
 
 
 def oracle_depths(ref_logits, targets, max_depth, response=None):
@@ -491,6 +464,48 @@ def oracle_depths(ref_logits, targets, max_depth, response=None):
     big = rem * (size + 1)
     k = torch.where(rank < big, rank // (size + 1), rem + (rank - big) // size.clamp(min=1))
     return torch.where(hard, max_depth - k, depths)
+
+
+def stage1_loss(model, idx, targets, depths):
+    """CE of each token's output at its oracle depth; backbone and LoRA train."""
+    return model(idx, targets, mode="oracle", depths=depths).loss
+
+
+def stage2_loss(model, idx, depths, pos_weight=None):
+    """Decider BCE (class-weighted) on the oracle's continuation labels, backbone frozen.
+
+    The decision after pass d (0-based) of token i has label c = 1[D_i > d + 1]; decisions
+    exist for d < min(max_depth - 1, D_i). The continue class is weighted by pos_weight:
+    None (default) takes the paper's w^(d), #stop / #continue among the batch's decisions
+    after pass d, one weight per depth (§4.3); a number fixes it for every depth and batch,
+    as the authors' code does (about #stop / #continue of their data set: 4.8 and 5.4).
+    Returns (mean loss over decisions, scores, labels).
+
+    Where the defaults part from the authors' code (thu-nics/TaH): the class weight here is
+    the paper's per-depth, per-batch w^(d) (§4.2-4.3), theirs a fixed pos_weight (5.4 or 4.8)
+    or 1; on a batch mixing stops and continues the two differ by up to 9.6 in the loss. For
+    max_depth 3 this is one mean over every decision of every depth; their code combines the
+    depths otherwise, and its loss is 1.86-2.13 times this one.
+    """
+    check_stage2(model.cfg, idx, depths, pos_weight)
+    with torch.no_grad():  # gradient reaches the decider only
+        # the last pass makes no decision, and passes before it never read its keys (k <= d
+        # in every attention variant), so it is not run
+        out = model(idx, mode="oracle", depths=depths.clamp(max=model.cfg.max_depth - 1), features=True)
+    scores, labels, weights = [], [], []
+    for p in out.passes[:model.cfg.max_depth - 1]:
+        s = model.decider(p.features.rows(p.valid))
+        c = (gather(depths, p.sel, p.rows)[p.valid] > p.depth + 1).to(s.dtype)
+        # w^(d) = #stop / #continue (0 when every decision continues), in the scores' dtype
+        w = (c == 0).sum().to(s.dtype) / (c == 1).sum().clamp(min=1).to(s.dtype) if pos_weight is None \
+            else torch.tensor(pos_weight, dtype=s.dtype, device=s.device)
+        scores.append(s)
+        labels.append(c)
+        weights.append(torch.where(c == 1, w, torch.ones_like(s)))
+    scores, labels, weights = torch.cat(scores), torch.cat(labels), torch.cat(weights)
+    # BCE-with-logits where only the continue term carries the weight: w c log s + (1 - c) log(1 - s)
+    loss = -(weights * labels * F.logsigmoid(scores) + (1 - labels) * F.logsigmoid(-scores)).mean()
+    return loss, scores, labels
 
 
 # -----------------------------------------------------------------------------

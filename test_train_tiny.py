@@ -19,12 +19,14 @@ import train_tiny as tt
 import trainer
 from conftest import SMOKE, flags, patch_train, suite_ctx, suite_run, tiny_backbone
 from lab import ablations, inside, report, tokens
+from lab.arith import Arith
 from tah import ThinkAtHard
 from tasks import Lookups
 
 
 # -----------------------------------------------------------------------------
 # data
+
 
 def test_text_round_trips_through_bpe_and_compact_ids(tmp_path):
     text = "When shall we three meet again\nIn thunder, lightning, or in rain?\n" * 3
@@ -171,7 +173,7 @@ def test_hard_and_easy_queries_have_the_same_query_tokens():
 @settings(max_examples=25, deadline=None)
 @given(digits=st.integers(1, 5), seed=st.integers(0, 10_000), T=st.integers(8, 80))
 def test_arith_answers_are_correct_by_construction(digits, seed, T):
-    task = tasks.Arith(digits)
+    task = Arith(digits)
     x, y = task.batch("train", 3, T, torch.Generator().manual_seed(seed))
     assert x.shape == y.shape == (3, T)
     for row_x, row_y in zip(x.tolist(), y.tolist()):
@@ -230,7 +232,7 @@ def test_an_uneven_cut_of_the_batch_gives_the_whole_batchs_loss_and_gradients(ac
     the whole batch's mean loss in one forward, and so do the gradients (what 3, 5, 6 or 7 ranks
     of torchrun do with --batch 8)."""
     P = trainer.Stage(steps=1, lr=1e-3, warmup=1, batch=8, block=16)
-    x, y = tasks.Arith(2).batch("train", 8, 16, torch.Generator().manual_seed(0))
+    x, y = Arith(2).batch("train", 8, 16, torch.Generator().manual_seed(0))
     grads = []
     for a in (1, accum):
         model = tiny_backbone()
@@ -244,7 +246,7 @@ def test_an_uneven_cut_of_the_batch_gives_the_whole_batchs_loss_and_gradients(ac
 
 def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path):
     P = trainer.Stage(steps=6, lr=3e-3, warmup=2, batch=4, block=16)
-    data = tasks.Arith(2)
+    data = Arith(2)
     args = lambda d: trainer.Context(d, accum=2, log_every=100, ckpt_every=1)
     straight = trainer.train("arm", tiny_backbone(), protocols.lm_loss, data, P, args(tmp_path / "a"), seed=3)
 
@@ -344,7 +346,7 @@ def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response
     patch_train(monkeypatch, spy)
     monkeypatch.setattr(protocols.ThinkAtHard, "stage1_loss", stage1)
     P = tt.PRESETS["smoke"]
-    task = {"tah": tasks.Lookups(P.symbols, P.queries, P.two_hop), "tah-add": tasks.Arith(P.digits),
+    task = {"tah": tasks.Lookups(P.symbols, P.queries, P.two_hop), "tah-add": Arith(P.digits),
             "tah-hidden": tasks.Lookups(P.symbols, P.queries, P.two_hop, per_problem=True)}[suite]
     suite_run(suite, P, suite_ctx(tmp_path), 0, task, ablations=False)
     ref = trained[f"{suite}/Standard"].eval()
@@ -367,7 +369,7 @@ def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response
 @settings(max_examples=30, deadline=None)
 @given(digits=st.integers(1, 4), seed=st.integers(0, 10_000), T=st.integers(6, 60), p_wrong=st.floats(0, 0.5))
 def test_exact_match_counts_the_problems_whose_every_answer_digit_is_right(digits, seed, T, p_wrong):
-    task = tasks.Arith(digits)
+    task = Arith(digits)
     g = torch.Generator().manual_seed(seed)
     x, y = task.batch("val", 3, T, g)
     ok = torch.rand(y.shape, generator=g) > p_wrong
@@ -465,7 +467,7 @@ def test_non_finite_loss_stops_the_run_naming_the_arm_and_step(tmp_path):
         loss = protocols.lm_loss(m, x, y)
         return loss * float("nan") if len(calls) == 3 else loss
     with pytest.raises(SystemExit, match=r"\[arm s0\] loss is nan at step 3"):
-        trainer.train("arm", tiny_backbone(), blows_up, tasks.Arith(2), P, args, seed=0)
+        trainer.train("arm", tiny_backbone(), blows_up, Arith(2), P, args, seed=0)
 
 
 def test_non_finite_weights_after_a_finite_loss_are_refused_before_any_save(tmp_path):
@@ -482,7 +484,7 @@ def test_non_finite_weights_after_a_finite_loss_are_refused_before_any_save(tmp_
                 next(m.parameters()).fill_(float("nan"))
         return loss
     with pytest.raises(SystemExit, match=r"\[arm s0\] the weights are not finite after step 2"):
-        trainer.train("arm", tiny_backbone(), spoils_last_step, tasks.Arith(2), P, args, seed=0)
+        trainer.train("arm", tiny_backbone(), spoils_last_step, Arith(2), P, args, seed=0)
     assert not list(tmp_path.rglob("*.pt"))  # nothing saved
 
 

@@ -23,12 +23,12 @@ from torch._dynamo.testing import CompileCounter
 
 import protocols
 import tah
-import tasks
 import train_tiny as tt
 import trainer
 from conftest import HERE, SMOKE, flags, patch_train, tiny_backbone
 from hd import HDConfig, HiddenDecoding
 from lab import files, flops, runner, tokens
+from lab.arith import Arith
 from moe import ModelConfig, Transformer
 from tah import ThinkAtHard
 
@@ -448,7 +448,7 @@ def test_bad_data_files_fail_before_any_training(tmp_path, content, words):
 def test_a_damaged_or_foreign_checkpoint_gives_one_line_naming_the_file(tmp_path):
     P = trainer.Stage(steps=3, lr=3e-3, warmup=1, batch=4, block=16)
     key = ["k1"]  # the configuration the next train call belongs to
-    train = lambda name, seed=0: trainer.train(name, tiny_backbone(), protocols.lm_loss, tasks.Arith(2), P,
+    train = lambda name, seed=0: trainer.train(name, tiny_backbone(), protocols.lm_loss, Arith(2), P,
                                                trainer.Context(tmp_path, key[0], log_every=100, ckpt_every=1),
                                                seed=seed)
     train("arm")
