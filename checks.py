@@ -164,6 +164,15 @@ def check_fits(cfg, batch=1, training=False, device="cpu", sharing=1):
                          f"{torch.device(device).type} has {limit / 2**30:,.1f} GiB{share}: make it smaller")
 
 
+def check_buffer(shape, dtype, device, what):
+    """A buffer about to be allocated (a cache's rows) within the device's memory: the size rule,
+    before the allocator meets it."""
+    need = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if need > memory_limit(device):
+        raise ValueError(f"{what} of shape {tuple(shape)} needs ~{need / 2**30:,.3g} GiB and the "
+                         f"{torch.device(device).type} has {memory_limit(device) / 2**30:,.1f} GiB: make it smaller")
+
+
 # -----------------------------------------------------------------------------
 # Tensor inputs
 
@@ -200,6 +209,8 @@ def check_tokens(idx, targets, vocab_size, values=None):
                          f"got {getattr(idx, 'dtype', type(idx))}")
     if idx.dim() != 2 or idx.numel() == 0:
         raise ValueError(f"idx must have shape (B, T) with B, T >= 1, got {tuple(idx.shape)}")
+    if idx.device.type == "meta":
+        raise ValueError("idx is on the meta device, which holds no values: give token ids on the model's device")
     if targets is not None:
         if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
             raise ValueError(f"targets must be an integer tensor (int64, as cross_entropy takes), "
@@ -254,8 +265,9 @@ def check_caches(caches, n_layer, block_size, rows_per_token=lambda i: 1, window
     for i, c in enumerate(caches):
         r = rows_per_token(i)
         if getattr(c, "window", None) != window(i):
-            raise ValueError(f"cache {i} keeps the last {getattr(c, 'window', None) or 'every'} rows, layer {i} reads "
-                             f"{window(i) or 'every row'}: take caches from generate.make_caches(model)")
+            keeps, reads = (f"the last {w} rows" if w else "every row" for w in (getattr(c, "window", None), window(i)))
+            raise ValueError(f"cache {i} keeps {keeps}, layer {i} reads {reads}: take caches from "
+                             "generate.make_caches(model)")
         if len(c) != tokens * r or getattr(c, "capacity", block_size * r) < block_size * r:
             raise ValueError(f"cache {i} does not fit layer {i} of this model (it holds {len(c)} rows, room for "
                              f"{getattr(c, 'capacity', '?')}; the layer keeps {r} per token): take caches from "

@@ -34,8 +34,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from checks import (check_caches, check_generation, check_generator, check_kv, check_length, check_logits,
-                    check_sampling, check_tokens, demo_args, is_int, real_device, recorded_step)
+from checks import (MAX_INT, check_buffer, check_caches, check_generation, check_generator, check_kv, check_length,
+                    check_logits, check_sampling, check_tokens, demo_args, is_int, real_device, recorded_step)
 from hd import HiddenDecoding
 from moe import Transformer, upcast
 from tah import ThinkAtHard
@@ -46,8 +46,8 @@ class KVCache:
     static cache). Unwritten rows are never read: attention sees the first len() rows."""
 
     def __init__(self, capacity):
-        if not is_int(capacity) or capacity < 1:
-            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+        if not is_int(capacity) or not 1 <= capacity <= MAX_INT:
+            raise ValueError(f"capacity must be an int in [1, 2**53], got {capacity!r}")
         self.capacity, self.len, self.k, self.v = capacity, 0, None, None
 
     def __len__(self):
@@ -66,12 +66,17 @@ class KVCache:
                              f"{T} more do not fit")
         return T
 
+    def allocate(self, k, rows):
+        """The K and V buffers, `rows` rows like k's, at the first write (the size rule first)."""
+        shape = (*k.shape[:2], rows, k.size(3))
+        check_buffer((2, *shape), k.dtype, k.device, "a KV cache's keys and values")
+        return k.new_zeros(shape), k.new_zeros(shape)
+
     def update(self, k, v):
         """Append k, v (B, Hkv, T, hd); return the K and V of every row so far."""
         T = self.check_room(k, v)
         if self.k is None:
-            self.k = k.new_zeros(*k.shape[:2], self.capacity, k.size(3))
-            self.v = v.new_zeros(*v.shape[:2], self.capacity, v.size(3))
+            self.k, self.v = self.allocate(k, self.capacity)
         self.k[:, :, self.len:self.len + T] = k
         self.v[:, :, self.len:self.len + T] = v
         self.len += T
@@ -89,18 +94,17 @@ class WindowCache(KVCache):
         if not is_int(window) or window < 1:
             raise ValueError(f"window must be an int >= 1, got {window!r}")
         super().__init__(capacity)
-        self.window = window
+        self.window, self.ring = window, min(window, capacity)  # a window past the capacity keeps every row
 
     def update(self, k, v):
         T = self.check_room(k, v)
         if self.k is None:
-            self.k = k.new_zeros(*k.shape[:2], self.window, k.size(3))
-            self.v = v.new_zeros(*v.shape[:2], self.window, v.size(3))
-        before = torch.arange(self.len - min(self.window - 1, self.len), self.len, device=k.device) % self.window
+            self.k, self.v = self.allocate(k, self.ring)
+        before = torch.arange(self.len - min(self.window - 1, self.len), self.len, device=k.device) % self.ring
         keys, values = torch.cat([self.k[:, :, before], k], 2), torch.cat([self.v[:, :, before], v], 2)
         last = torch.arange(self.len + T - min(T, self.window), self.len + T, device=k.device)  # rows the ring keeps
-        self.k[:, :, last % self.window] = k[:, :, last - self.len]
-        self.v[:, :, last % self.window] = v[:, :, last - self.len]
+        self.k[:, :, last % self.ring] = k[:, :, last - self.len]
+        self.v[:, :, last % self.ring] = v[:, :, last - self.len]
         self.len += T
         return keys, values
 
@@ -115,13 +119,14 @@ class StaticCache(KVCache):
 
     def __init__(self, capacity, window=None):
         super().__init__(capacity)
+        if window is not None and not (is_int(window) and window >= 1):
+            raise ValueError(f"window must be None or an int >= 1 (its layer's mask's window), got {window!r}")
         self.window, self.written, self.step_rows = window, None, 0
 
     def update(self, k, v):
         T = self.check_room(k, v)
         if self.k is None:
-            self.k = k.new_zeros(*k.shape[:2], self.capacity, k.size(3))
-            self.v = v.new_zeros(*v.shape[:2], self.capacity, v.size(3))
+            self.k, self.v = self.allocate(k, self.capacity)
             self.written = torch.zeros((), dtype=torch.long, device=k.device)
         rows = self.written + torch.arange(T, device=k.device)
         self.k.index_copy_(2, rows, k)
@@ -131,12 +136,16 @@ class StaticCache(KVCache):
         return self.k, self.v
 
 
-def make_caches(model, static=False):
-    """One cache per layer with room for block_size tokens (moe.Transformer, hd.HiddenDecoding):
-    KVCache, or WindowCache for a sliding-window layer; static: StaticCache for every layer."""
+def check_lm(model):
     if isinstance(model, ThinkAtHard) or not isinstance(model, (Transformer, HiddenDecoding)):
         raise ValueError(f"make_caches and generate take a moe.Transformer or hd.HiddenDecoding, got "
                          f"{type(model).__name__}" + (": use TaHCache and generate_tah" * isinstance(model, ThinkAtHard)))
+
+
+def make_caches(model, static=False):
+    """One cache per layer with room for block_size tokens (moe.Transformer, hd.HiddenDecoding):
+    KVCache, or WindowCache for a sliding-window layer; static: StaticCache for every layer."""
+    check_lm(model)
     per_token = getattr(model, "kv_rows_per_token", lambda i: 1)
     window = getattr(model, "kv_window", lambda i: None)
     rows = [model.cfg.block_size * per_token(i) for i in range(model.cfg.n_layer)]
@@ -159,6 +168,7 @@ class TaHCache:
         device = real_device(device)
         cfg = model.cfg
         self.capacity = cfg.block_size * cfg.max_depth
+        check_buffer((3, B, self.capacity), torch.long, device, "a TaH cache's (position, depth, exists) lookups")
         self.lookups = [torch.zeros(B, self.capacity, dtype=dt, device=device) for dt in (torch.long, torch.long, torch.bool)]
         self.layers = [TaHLayerCache(self) for _ in range(cfg.n_layer)]
         self.batch, self.len, self.next_pos, self.rows, self.slot = B, 0, 0, None, 0  # slot: where the pass's rows start
@@ -195,6 +205,10 @@ class StaticTaHCache(TaHCache):
     captured at its first step; a prompt, or a pass of some rows only, runs eagerly."""
 
     def __init__(self, model, B, device, graphed=False):
+        if graphed is not True and graphed is not False:
+            raise ValueError(f"graphed must be True or False, got {graphed!r}")
+        if graphed and real_device(device).type != "cuda":
+            raise ValueError(f"graphed=True replays CUDA graphs: it takes a CUDA device, got {device!r}")
         super().__init__(model, B, device)
         self.len, self.filled, self.graphs = self.capacity, 0, {}  # len: what a pass reads; filled: the host's count
         self.written, self.next_t = (torch.zeros((), dtype=torch.long, device=self.lookups[0].device) for _ in range(2))
@@ -264,6 +278,7 @@ class TaHLayerCache:
         o = self.owner
         if self.k is None:
             shape = (o.batch, k.size(1), o.capacity, k.size(3))
+            check_buffer((2, *shape), k.dtype, k.device, "a TaH cache layer's keys and values")
             self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
         o.write(self.k, k, 2)
         o.write(self.v, v, 2)
@@ -372,6 +387,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, gen
     about a minute on a CPU); the prompt runs eager. cuda_graph (CUDA): the per-token forward is
     captured once as a CUDA graph over static caches and replayed (graphed_step). Same tokens as
     eager under greedy decoding, up to float rounding."""
+    check_lm(model)
     check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
     check_generator(generator)
     for name, flag in (("compile", compile), ("cuda_graph", cuda_graph)):

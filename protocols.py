@@ -41,10 +41,11 @@ def verdict(deltas, sign):
     if len(d) < 2:
         return "not shown"
     right_sign = np.all(np.sign(d) == sign)
-    mean = d.mean()
-    if not np.isfinite(mean) or not np.isfinite(d.std(ddof=1)):
+    with np.errstate(over="ignore"):
+        mean, std = d.mean(), d.std(ddof=1)
+    if not (np.isfinite(mean) and np.isfinite(std)):
         raise ValueError(f"deltas overflow a float's range (mean {mean}): a mean that overflowed is no verdict")
-    return "shown" if right_sign and abs(mean) > 2 * d.std(ddof=1) else "not shown"
+    return "shown" if right_sign and abs(mean) > 2 * std else "not shown"
 
 
 def claim_deltas(rows, claim):

@@ -142,9 +142,9 @@ def gpu_check(tmp_path, *args, **env):
 
 
 def test_the_gpu_checks_dry_run_returns_a_flat_folder_whose_every_log_ends_in_its_status(tmp_path):
-    """--dry-run, every step stopped at a 3-s limit: at most 8 files, none in a folder, each step's
+    """--dry-run, every step stopped at a 2-s limit: at most 8 files, none in a folder, each step's
     log readable and ending in its status line, summary.md naming the interpreter and every step."""
-    run, back = gpu_check(tmp_path, "--dry-run", GPU_CHECK_LIMIT="3")
+    run, back = gpu_check(tmp_path, "--dry-run", GPU_CHECK_LIMIT="2")
     assert run.returncode == 0, run.stderr
     files = list(back.iterdir())
     assert len(files) <= 8 and all(f.is_file() for f in files), files
@@ -152,7 +152,7 @@ def test_the_gpu_checks_dry_run_returns_a_flat_folder_whose_every_log_ends_in_it
     assert "- python: " in summary and "torch " in summary
     for step in ("tests", "smoke", "bench", "default"):
         last = (back / f"{step}.log").read_text().splitlines()[-1]
-        assert last.startswith(f"== {step}: exit 124 in ") and "stopped at its 3-s limit" in last, last
+        assert last.startswith(f"== {step}: exit 124 in ") and "stopped at its 2-s limit" in last, last
         assert f"- {step}: exit 124" in summary
     assert not list(back.glob("run-*")) and (tmp_path / "runs").is_dir()  # run folders stay out of it
 

@@ -126,7 +126,7 @@ def test_a_cache_of_the_wrong_kind_for_its_layer_is_refused():
     idx = torch.randint(11, (1, 6))
     caches = make_caches(model)
     wrong = caches[:1] + [KVCache(caches[1].capacity)] + caches[2:]
-    with torch.no_grad(), pytest.raises(ValueError, match="cache 1 keeps the last every rows, layer 1 reads 1"):
+    with torch.no_grad(), pytest.raises(ValueError, match="cache 1 keeps every row, layer 1 reads the last 1 rows"):
         model(idx, caches=wrong)
     with torch.no_grad():
         model(idx[:, :5], caches=caches)
@@ -348,7 +348,11 @@ def test_every_captured_tah_pass_reads_nothing_on_the_host_and_warms_up_on_its_o
     torch.manual_seed(0)
     model = ThinkAtHard(TaHConfig(vocab_size=64, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
                                   head_dim=16, n_experts=experts, logit_topk=16)).eval()
-    decoding.tah_decode(model, torch.randint(64, (3, 6)), 2, 0, None, None, "always", cuda_graph=True)
+    cache = StaticTaHCache(model, 3, "cpu")  # graphed=True takes CUDA: its replay, on faked graph calls, here
+    cache.graphed = cache.replay
+    with torch.no_grad(), lora_merged(model):
+        out = model(torch.randint(64, (3, 6)), mode="always", cache=cache)  # the prompt, eager
+        model(out.logits[:, -1:].argmax(-1), mode="always", cache=cache)  # a step: each depth's pass captured
     captured = [d for p, d in fake_cuda_graphs if p == "capture"]
     warmed = [d for p, d in fake_cuda_graphs if p == "warm-up"]
     assert warmed == captured and set(captured) <= {"gather", "masked"}
@@ -466,8 +470,8 @@ def small_hd():
 @pytest.mark.parametrize("make, says", [
     (lambda: WindowCache(0, 8), "window must be an int >= 1"),
     (lambda: WindowCache(2.0, 8), "window must be an int >= 1"),
-    (lambda: WindowCache(4, 0), "capacity must be an int >= 1"),
-    (lambda: KVCache(True), "capacity must be an int >= 1"),
+    (lambda: WindowCache(4, 0), r"capacity must be an int in \[1, 2\*\*53\]"),
+    (lambda: KVCache(True), r"capacity must be an int in \[1, 2\*\*53\]"),
     (lambda: make_caches(torch.nn.Linear(2, 2)), "make_caches and generate take"),
 ])
 def test_caches_reject_bad_sizes_and_models(make, says):
@@ -493,5 +497,67 @@ def test_a_window_cache_that_does_not_match_the_models_window_is_named():
     model = small_hd()
     caches = make_caches(model)
     caches[2] = WindowCache(3, caches[2].capacity)  # layer 2 is L with window 4
-    with pytest.raises(ValueError, match="cache 2 keeps the last 3 rows, layer 2 reads 4"):
+    with pytest.raises(ValueError, match="cache 2 keeps the last 3 rows, layer 2 reads the last 4 rows"):
         model(torch.zeros(1, 2, dtype=torch.long), caches=caches)
+
+
+# -----------------------------------------------------------------------------
+# Sizes and arguments refused before anything is allocated
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda: KVCache(10**30), r"capacity must be an int in \[1, 2\*\*53\]"),
+    (lambda: decoding.WindowCache(4, 10**30), r"capacity must be an int in \[1, 2\*\*53\]"),
+    (lambda: decoding.StaticCache(10**30), r"capacity must be an int in \[1, 2\*\*53\]"),
+    *[(lambda w=w: decoding.StaticCache(8, window=w), "window must be None or an int >= 1") for w in (0, -1, "x", 2.5)],
+])
+def test_caches_refuse_sizes_and_windows_they_cannot_hold(make, says):
+    with pytest.raises(ValueError, match=says):
+        make()
+
+
+def test_a_cache_too_big_for_the_machine_is_refused_at_its_first_write_by_the_size_rule():
+    """2**50 rows of keys and values: the size rule names them before the allocator meets them;
+    TaH's caches with a batch of 10**9 at once."""
+    k = torch.zeros(1, 2, 1, 8)
+    for cache in (KVCache(2**50), decoding.StaticCache(2**50)):
+        with pytest.raises(ValueError, match="needs ~.*GiB and the cpu has"):
+            cache.update(k, k)
+    tah_model = ThinkAtHard(TaHConfig(vocab_size=64, block_size=32, n_layer=1, n_embd=32, n_head=6, n_kv_head=2,
+                                      head_dim=16, n_experts=0, logit_topk=16, kv_mirror=False))
+    for make in (TaHCache, StaticTaHCache):
+        with pytest.raises(ValueError, match="needs ~.*GiB and the cpu has"):
+            make(tah_model, 10**9, "cpu")
+
+
+def test_a_window_past_the_block_decodes_as_every_row_in_a_ring_no_larger_than_the_block():
+    """HDConfig(window=2**40): the L layer sees every row, its ring holds at most the cache's
+    capacity (it was 2**40 rows), and decoding gives the full forward's tokens."""
+    torch.manual_seed(0)
+    model = HiddenDecoding(HDConfig(vocab_size=64, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
+                                    head_dim=16, n_experts=4, n_streams=2, layout="IFL", window=2**40)).eval()
+    caches = make_caches(model)
+    assert all(getattr(c, "ring", 0) <= c.capacity for c in caches)
+    idx = torch.randint(64, (2, 5))
+    out = generate(model, idx, 8, temperature=0)
+    with torch.no_grad():
+        step = idx
+        for _ in range(8):
+            step = torch.cat([step, model(step)[0][:, -1:].argmax(-1)], 1)
+    assert torch.equal(out, step)
+
+
+def test_static_tah_caches_refuse_a_graphed_that_is_not_a_bool_or_not_on_cuda():
+    tah_model = ThinkAtHard(TaHConfig(vocab_size=64, block_size=32, n_layer=1, n_embd=32, n_head=6, n_kv_head=2,
+                                      head_dim=16, n_experts=0, logit_topk=16, kv_mirror=False))
+    with pytest.raises(ValueError, match="graphed must be True or False, got 'yes'"):
+        StaticTaHCache(tah_model, 1, "cpu", graphed="yes")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="graphed=True replays CUDA graphs: it takes a CUDA device"):
+            StaticTaHCache(tah_model, 1, "cpu", graphed=True)
+
+
+@pytest.mark.parametrize("model", [None, "moe", torch.nn.Linear(2, 2)])
+def test_generate_refuses_what_is_not_a_model_in_one_line(model):
+    with pytest.raises(ValueError, match="generate take a moe.Transformer or hd.HiddenDecoding, got"):
+        generate(model, torch.zeros(1, 2, dtype=torch.long), 2)

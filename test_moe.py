@@ -919,3 +919,10 @@ def test_the_static_dispatches_keep_their_gradients_finite_in_float16_wherever_t
             for ref, got in zip(out["loop"], out[dispatch]):
                 torch.testing.assert_close(got, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
     assert checked >= 3
+
+
+def test_token_ids_on_the_meta_device_are_refused_before_the_forward():
+    model = Transformer(ModelConfig(vocab_size=16, block_size=8, n_layer=3, n_embd=16, n_head=2, n_kv_head=1,
+                                    head_dim=8, n_experts=2, top_k=1, expert_hidden=8))
+    with pytest.raises(ValueError, match="idx is on the meta device"):
+        model(torch.zeros(1, 4, dtype=torch.long, device="meta"))

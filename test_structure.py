@@ -175,8 +175,11 @@ def test_code_lines_count_neither_docstrings_nor_comments(tmp_path):
 def test_a_plain_run_goes_through_the_readers_path_and_imports_nothing_of_the_ablations(tmp_path):
     """`python train_tiny.py` at tiny budgets: the project modules it imports are the methods, the
     reader's path and lab/ without lab/ablations.py (--suite all imports it)."""
+    text = tmp_path / "text.txt"  # a small text: no time spent tokenizing the plays
+    text.write_text("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace from day to day. " * 40)
     budget = ["--preset", "smoke", "--suite", "hd,tah", "--jobs", "1", "--hd_base_iters=1", "--hd_cont_iters=1",
-              "--tah_base_iters=1", "--tah_sft_iters=1", "--decider_iters=1", "--out", str(tmp_path)]
+              "--tah_base_iters=1", "--tah_sft_iters=1", "--decider_iters=1", "--data", str(text), "--out",
+              str(tmp_path / "out")]
     script = ("import sys, train_tiny\ntrain_tiny.main(sys.argv[1:])\n"
               "print(sorted(m for m in sys.modules if m.split('.')[0] in {'lab', 'protocols', 'trainer', 'tasks'}))")
     run = subprocess.run([sys.executable, "-c", script, *budget], cwd=HERE, capture_output=True, text=True, timeout=300)

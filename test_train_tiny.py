@@ -451,6 +451,7 @@ def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the
     ([0.1, float("inf")], 1, "finite real numbers"),
     ("0.1", 1, "finite real numbers"),
     ([], 1, "empty"),
+    ([1e308] * 3, 1, "overflow a float's range"),  # a mean that overflowed is no verdict (it was "not shown")
 ])
 def test_the_verdict_rule_refuses_what_is_not_its_input(deltas, sign, words):
     with pytest.raises(ValueError, match=words):
@@ -531,3 +532,29 @@ def test_sample_prints_text_from_the_hd_model_and_a_problem_answered_by_tah(tmp_
 def test_lookups_refuse_sizes_that_cannot_form_a_problem(kw, says):
     with pytest.raises(ValueError, match=says):
         Lookups(**kw)
+
+
+@pytest.mark.parametrize("spoil", ["a list", "preset a list", "preset missing fields", "run null", "hd_ns a string",
+                                   "a folder", "binary", "run elsewhere"])
+def test_sample_refuses_what_is_no_results_of_a_trained_run_in_one_line(spoil, tmp_path):
+    """sample.py reads a run's folder through one check: anything that is not a results.json of
+    train_tiny.py naming a run folder beside it is refused in one line, before any model loads."""
+    import sample
+    from dataclasses import asdict
+    (tmp_path / "run-0123456789").mkdir()
+    doc = {"preset": asdict(tt.PRESETS["smoke"]), "run": "run-0123456789", "data": None}
+    doc = {"a list": [], "preset a list": {**doc, "preset": []},
+           "preset missing fields": {**doc, "preset": {k: v for k, v in doc["preset"].items() if k != "plays"}},
+           "run null": {**doc, "run": None}, "hd_ns a string": {**doc, "preset": {**doc["preset"], "hd_ns": "1,2"}},
+           "run elsewhere": {**doc, "run": "../run-0123456789"}}.get(spoil, doc)
+    path = tmp_path / "results.json"
+    if spoil == "a folder":
+        path.mkdir()
+    elif spoil == "binary":
+        path.write_bytes(b"\x00\xff\xfe" * 30)
+    else:
+        path.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit) as e:
+        sample.read_run(tmp_path)
+    assert str(e.value.code).startswith(f"error: {path} is missing or not the results of a train_tiny.py run")
+    assert "\n" not in str(e.value.code)

@@ -102,6 +102,8 @@ def pooled(runs):
     seed): a run repeating another to the last digit counts once, different runs of one (machine,
     seed) (another thread count: the same init and batches) are averaged. Returns n, mean, std and
     the 95% interval (t, n - 1 degrees of freedom)."""
+    if not isinstance(runs, (list, tuple)) or not all(isinstance(r, tuple) and len(r) == 3 for r in runs):
+        raise ValueError(f"pooled takes a list of (machine, seed, delta) triples, got {runs!r}"[:300])
     if not runs:
         raise ValueError("pooled needs at least one (machine, seed, delta) run: the pool is empty")
     units = {}

@@ -70,3 +70,9 @@ def test_pooled_counts_a_repeated_run_once_and_averages_a_seeds_runs(a, b, noise
     cells = report.pooled_cells([(len(a), np.mean(a), np.std(a, ddof=1)),
                                  (len(b), np.mean(units[len(a):]), np.std(units[len(a):], ddof=1))])
     assert all(np.allclose(cells[k], got[k], atol=1e-12) for k in got)  # the same numbers from the cells' summaries
+
+
+@pytest.mark.parametrize("runs", [[("A", 0)], [("A", 0, 0.1, 9)], "A0", {"A": 0.1}, [["A", 0, 0.1]]])
+def test_pooling_refuses_runs_that_are_not_machine_seed_delta_triples(runs):
+    with pytest.raises(ValueError, match=r"pooled takes a list of \(machine, seed, delta\) triples"):
+        report.pooled(runs)

@@ -848,3 +848,57 @@ def test_compiled_training_is_one_graph_per_arm_configuration_and_none_for_a_lat
 # 5. No tensor made without a device: on a GPU such a tensor lands on the CPU (a copy each step, and a
 # CUDA graph cannot hold it). Pinned on the CPU with meta as the default device: a tensor made without
 # device= is meta, and fails the first op that meets the CPU's.
+
+
+class SlowToUnpickle:
+    """Task data that a --jobs process takes a minute to unpickle: its start-up, before any line of
+    in_process runs. The process records its pid first."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __reduce__(self):
+        return slow_start, (self.folder,)
+
+
+def slow_start(folder):
+    (Path(folder) / f"pid{os.getpid()}").write_text(str(os.getpid()))
+    time.sleep(60)
+
+
+def session_processes(sid):
+    """The pids of the processes alive in session `sid` (a run started in a session of its own)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_jobs_processes_end_within_seconds_when_the_parent_dies_during_their_start_up(tmp_path):
+    """kill -9 of the parent while its --jobs processes are still starting (unpickling their task,
+    as importing torch would hold them): they end within seconds, and nothing of the run's session
+    stays (multiprocessing's resource tracker neither). They watch their parent from their first
+    import of lab/, not from a thread in_process starts after its start-up."""
+    argv = ["--smoke", "--suite", "moe", "--seeds", "2", "--jobs", "2", "--out", str(tmp_path)]
+    parent = subprocess.Popen([sys.executable, "-c", sessions_script(argv, f"t.SlowToUnpickle({str(tmp_path)!r})")],
+                              cwd=HERE, start_new_session=True)
+    for _ in range(600):
+        if len(list(tmp_path.glob("pid*"))) == 2:
+            break
+        time.sleep(0.1)
+    pids = [int(f.read_text()) for f in tmp_path.glob("pid*")]
+    assert len(pids) == 2 and all(running(p) for p in pids)
+    parent.kill()
+    parent.wait()
+    assert all_ended(pids)
+    for _ in range(100):
+        if not session_processes(parent.pid):
+            break
+        time.sleep(0.1)
+    assert session_processes(parent.pid) == []
