@@ -5,6 +5,9 @@ Each config has one table: field -> rules, each a test (value, config) -> bool a
 value must be, so a failure reads "<field> must be <what>, got <value>"; a rule may read the
 fields before its own. Tensor inputs are checked by the functions at the end: types and shapes
 always, values only where it is free (on CPU: on CUDA a min or max waits for the device).
+Sizes go through one rule (check_fits, check_buffer) before anything is allocated. A model's
+weights are the caller's: NaN weights give NaN logits without a word here (the trainer stops on a
+non-finite loss or weights, and sampling refuses non-finite logits).
 """
 
 import argparse
