@@ -169,7 +169,10 @@ def check_fits(cfg, batch=1, training=False, device="cpu", sharing=1):
 
 def check_buffer(shape, dtype, device, what):
     """A buffer about to be allocated (a cache's rows) within the device's memory: the size rule,
-    before the allocator meets it."""
+    before the allocator meets it. Inside a compiled graph it is not taken (a compiled step reads
+    no host value; the eager first call has allocated its buffers)."""
+    if torch.compiler.is_compiling():
+        return
     need = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     if need > memory_limit(device):
         raise ValueError(f"{what} of shape {tuple(shape)} needs ~{need / 2**30:,.3g} GiB and the "
