@@ -212,6 +212,10 @@ class HiddenDecoding(nn.Module):
 
     def hidden(self, idx, caches=None):
         """Final residual states: (B, L*n, C), or (B, L, C) final-stream rows under the skip."""
+        return self.backbone.run_blocks(self.embed(idx), self.plans(idx, caches))
+
+    def plans(self, idx, caches=None):
+        """How each block runs a forward of idx (B, L) after the rows the caches hold (LayerPlans)."""
         cfg, dev = self.cfg, idx.device
         B, L = idx.shape
         start = 0 if caches is None else check_caches(caches, cfg.n_layer, cfg.block_size, self.kv_rows_per_token,
@@ -220,8 +224,7 @@ class HiddenDecoding(nn.Module):
         check_flex(cfg.attn_impl, dev, cfg.head_dim)
         start, keys = cache_start(caches, start, self.kv_rows_per_token(0))  # keys: a static cache's tokens
         rows = Rows(cfg, B, L, start, keys, dev)
-        plans = [self.layer_plan(i, rows, None if caches is None else caches[i]) for i in range(cfg.n_layer)]
-        return self.backbone.run_blocks(self.embed(idx), plans)
+        return [self.layer_plan(i, rows, None if caches is None else caches[i]) for i in range(cfg.n_layer)]
 
     def layer_plan(self, i, rows, cache):
         """How block i runs (moe.LayerPlan): its attention path (attention_path), its mask in that

@@ -104,9 +104,9 @@ PRESETS = {
 # The experiment: for each suite, for each seed, its arms trained and evaluated; then the verdicts
 
 
-SUITES = ["hd", "tah", "tah-hidden", "tah-add", "moe", "hd-progressive", "tah3"]  # the report's order
+SUITES = ["hd", "tah", "tah-hidden", "tah-add", "moe", "hd-progressive", "tah3", "hd-compute"]  # the report's order
 HEADLINE = ["hd", "tah"]  # a plain run; --suite all (and --smoke) runs every suite with its extra arms
-TEXT = ["hd", "moe", "hd-progressive"]  # the suites that train on the text (Shakespeare, or --data)
+TEXT = ["hd", "moe", "hd-progressive", "hd-compute"]  # the suites that train on the text (Shakespeare, or --data)
 
 
 def main(argv=None):
@@ -155,7 +155,7 @@ def claims(flags):
     return headline + ablations.claims(flags.preset)
 
 
-FIGURES = ("loss_curves.png", "hd_streams.png", "tah_tradeoff.png", "tah_problem.png")
+FIGURES = ("loss_curves.png", "hd_streams.png", "tah_tradeoff.png", "tah_problem.png", "hd_compute.png")
 
 
 def say_what_runs(flags, text):
@@ -191,6 +191,8 @@ def write_report(flags, ctx, rows, seconds):
         drawn.append(inside.plot_tah_tradeoff(summary, flags.out, eval_set, ends))
     if "tah" in flags.suites:
         drawn.append(inside.copy_tah_problem(ctx.run_dir, flags.out))
+    if "hd-compute" in flags.suites:  # loss against training FLOPs (lab/compute.py)
+        drawn.append(figures.plot_compute(summary, flags.out))
     log("figures: " + ", ".join(str(f) for f in drawn if f))
     if flags.smoke and (ctx.run_dir / "ckpt").is_dir():
         shutil.rmtree(ctx.run_dir / "ckpt")

@@ -4,8 +4,8 @@ headline; train_tiny.py reaches this file only then (train_seed, claims). The he
 extra arms: HD's layouts, objectives and shared KV continued from the n=1 checkpoint (HD Tables
 4-6) and each n from scratch; TaH's attention ablations (Table 2). Suites of their own: TaH with
 the hop count once per problem (against a token-type router), TaH on addition (the contrast), the
-MoE backbone's balancing and KV-Mirror, HD's progressive 1 -> 2 -> 4 (§2.3), and TaH-3 against
-TaH-2 (TaH App. A.2.1).
+MoE backbone's balancing and KV-Mirror, HD's progressive 1 -> 2 -> 4 (§2.3), TaH-3 against TaH-2
+(TaH App. A.2.1), and what HD's compute buys against the same compute spent otherwise (lab/compute.py).
 """
 
 import copy
@@ -15,7 +15,7 @@ import torch
 
 import protocols
 from hd import HiddenDecoding, expand_streams
-from lab import inside
+from lab import compute, inside
 from lab.report import Arm, Claim, Effect, result_rows
 from moe import ModelConfig, Transformer
 from protocols import backbone_cfg, lm_loss
@@ -36,6 +36,8 @@ def train_seed(suite, preset, ctx, seed, data):
     if suite == "moe":
         rows, bias_on = moe_protocol(preset, ctx, seed, data)
         return rows + (moe_mirror(preset, ctx, seed, data, bias_on) if ctx.ablations else [])
+    if suite == "hd-compute":
+        return compute.hd_compute(preset, ctx, seed, data)
     protocol = {"tah-hidden": tah_hidden, "hd-progressive": hd_progressive, "tah3": tah3_protocol}[suite]
     return protocol(preset, ctx, seed, data)
 
@@ -46,7 +48,7 @@ def claims(preset):
             + protocols.tah_claims(TAH_HIDDEN_EFFECTS, HIDDEN) + router_claims(TAH_HIDDEN_EFFECTS, HIDDEN)
             + inside.tah_claims(TAH_HIDDEN_EFFECTS.inside, HIDDEN)
             + protocols.tah_claims(TAH_ADD_EFFECTS, ADDITION_TASK) + [attention_claim("tah-add", ADDITION_TASK)]
-            + MOE_CLAIMS + HD_PROG_CLAIMS + TAH3_CLAIMS)
+            + MOE_CLAIMS + HD_PROG_CLAIMS + TAH3_CLAIMS + compute.CLAIMS)
 
 
 # -----------------------------------------------------------------------------

@@ -236,7 +236,8 @@ DYNAMO = dict(fail_on_recompile_limit_hit=True, recompile_limit=64)
 HERE = Path(__file__).resolve().parent.parent
 SOURCES = ("moe.py", "hd.py", "tah.py", "checks.py", "tasks.py", "trainer.py", "protocols.py", "train_tiny.py",
            "lab/ablations.py", "lab/inside.py", "lab/report.py", "lab/figures.py", "lab/files.py", "lab/tokens.py",
-           "lab/flops.py", "lab/presets.py", "lab/runner.py", "lab/startup.py", "lab/arith.py")  # all that can change a result
+           "lab/flops.py", "lab/presets.py", "lab/runner.py", "lab/startup.py", "lab/arith.py",
+           "lab/compute.py")  # all that can change a result
 
 
 def set_up_torch(threads):

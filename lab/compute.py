@@ -1,0 +1,139 @@
+"""
+What HD's compute buys (`--suite hd-compute`): the continuation's compute spent three ways, each
+from the same n = 1 checkpoint and on the same batches where it reads batches, seed by seed.
+
+- More streams (HD): n = 1 continued (the control), n = 2 and n = 4, as the default run.
+- More data: n = 1 continued for 2x and 4x the steps (more tokens, the same parameters).
+- Looping (recurrent depth): the n = 1 model with its whole block stack run 2x and 4x per token,
+  the same weights each pass (Looped). The whole stack, as Ouro loops it, rather than a middle
+  core, as Huginn does: a pass then costs what the n = 1 step costs, so k passes buy the compute
+  of n = k, which is the comparison; a middle third looped k times would buy (2 + k) / 3 of it.
+  KV-Mirror pairs the first third with the last within each pass, as trained. Nothing is added
+  for stability (no input injection, no gate): the looped model continues from the n = 1
+  checkpoint at the continuation's learning rate, like every arm (the rows say how it fares).
+
+Each arm's training FLOPs are counted one way: 6 per weight a token's row passes through in a
+forward (top_k of the routed experts; no embedding lookups) plus attention's 12 x layers x heads
+x head_dim x keys / 2, per row, times the rows a token becomes (HD: n) and the passes (looped:
+k), times the tokens its continuation trains on (steps x batch x block): lab/flops.py's per_token.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import protocols
+from checks import check_tokens
+from hd import expand_streams
+from lab import flops
+from lab.report import Arm, Claim, Effect, result_rows
+from moe import upcast
+from protocols import lm_loss
+from trainer import Stage, evaluate, train
+
+
+class Looped(nn.Module):
+    """An n = 1 HD model (hd.HiddenDecoding) with its block stack run `loops` times per token, the
+    same weights each pass: the residual stream a pass leaves is the next pass's input, the final
+    norm and the LM head read the last. loops = 1 is the model itself. With caches (decoding),
+    caches[j] are pass j's (one generate.make_caches per pass)."""
+
+    def __init__(self, model, loops):
+        super().__init__()
+        if getattr(model.cfg, "n_streams", None) != 1 or not isinstance(loops, int) or loops < 1:
+            raise ValueError(f"Looped takes an n = 1 HiddenDecoding and an int loops >= 1, got n_streams "
+                             f"{getattr(model.cfg, 'n_streams', None)}, loops {loops!r}")
+        self.model, self.loops = model, loops
+
+    @property
+    def backbone(self):
+        return self.model.backbone  # the trainer's router-bias update reads it
+
+    @property
+    def cfg(self):
+        return self.model.cfg
+
+    def forward(self, idx, targets=None, caches=None):
+        m = self.model
+        check_tokens(idx, targets, m.cfg.vocab_size)
+        x = m.embed(idx)
+        for j in range(self.loops):
+            x = m.backbone.run_blocks(x, m.plans(idx, None if caches is None else caches[j]))
+        logits = m.head(x)
+        loss = None if targets is None else F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten(),
+                                                            ignore_index=-1)
+        return logits, loss
+
+
+def training_flops(model, stage):
+    """The training FLOPs of `stage` on `model` (the formula of this file's docstring)."""
+    return getattr(model, "loops", 1) * flops.per_token(model, stage.block) * stage.steps * stage.batch * stage.block
+
+
+HD_COMPUTE = Effect("hd-compute", "HD: the continuation's compute spent three ways (more streams, more data, looping)",
+                    "HD argues for its streams against looped (recurrent-depth) transformers on cost and practicality "
+                    "(HD §1, §3), not on quality at equal compute; this project's comparison")
+FLOPS = "continuation training FLOPs"
+N1 = protocols.hd_cont_arm(1)
+
+
+def streams_arm(n):
+    return protocols.hd_cont_arm(n)
+
+
+def steps_arm(k):
+    return Arm(f"n1-steps{k}", f"n=1 continued {k}x the steps")
+
+
+def looped_arm(k):
+    return Arm(f"n1-looped{k}", f"n=1 looped x{k} (the whole stack, shared weights)")
+
+
+def hd_compute(preset, ctx, seed, data):
+    """The n = 1 backbone, then from it on the same batches: n = 1, 2, 4 continued; n = 1 for 2x
+    and 4x the steps; n = 1 looped x2 and x4. Each arm's held-out loss and accuracy, and its FLOPs."""
+    base = protocols.hd_backbone(preset, ctx, seed, data, "hd-compute")
+    stage = protocols.continuation(preset)
+    after_base = dict(first_batch=preset.hd_base_iters)
+    arms = [(streams_arm(n), expand_streams(base, n), stage) for n in (1, 2, 4)]
+    arms += [(steps_arm(k), expand_streams(base, 1), Stage(k * stage.steps, stage.lr, warmup=stage.warmup,
+                                                         batch=stage.batch, block=stage.block)) for k in (2, 4)]
+    arms += [(looped_arm(k), Looped(expand_streams(base, 1), k), stage) for k in (2, 4)]
+    rows = []
+    for arm, model, arm_stage in arms:
+        model = model.to(ctx.device)
+        train(f"hd-compute/{arm.label}", model, lm_loss, data, arm_stage, ctx, seed, **after_base)
+        metrics = evaluate(model, data, preset, ctx)
+        rows += result_rows(HD_COMPUTE, arm, seed, {**metrics, FLOPS: training_flops(model, arm_stage)})
+    return rows
+
+
+def loss_claim(name, arm, baseline):
+    return Claim(name, HD_COMPUTE, arm, baseline=baseline, metric="loss", sign=-1)
+
+
+CLAIMS = [
+    loss_claim("HD compute: n=4 beats n=1 looped x4 (equal compute, parameters and tokens)", streams_arm(4),
+               looped_arm(4)),
+    loss_claim("HD compute: n=4 beats n=1 for 4x the steps (equal compute and parameters, 4x the tokens)",
+               streams_arm(4), steps_arm(4)),
+    loss_claim("HD compute: n=2 beats n=1 looped x2 (equal compute, parameters and tokens)", streams_arm(2),
+               looped_arm(2)),
+    loss_claim("HD compute: n=2 beats n=1 for 2x the steps (equal compute and parameters, 2x the tokens)",
+               streams_arm(2), steps_arm(2)),
+]
+
+WAYS = {"more streams (HD)": [N1, streams_arm(2), streams_arm(4)],  # the figure's three lines, each from n = 1
+        "more data (steps)": [N1, steps_arm(2), steps_arm(4)],
+        "looping (recurrent depth)": [N1, looped_arm(2), looped_arm(4)]}
+
+
+@torch.no_grad()
+def looped_decode(model, idx, steps):
+    """Greedy decoding of a Looped model with a cache per pass (bench's cost of a looped decode step)."""
+    from generate import make_caches
+    caches = [make_caches(model.model) for _ in range(model.loops)]
+    logits, _ = model(idx, caches=caches)
+    for _ in range(steps):
+        logits, _ = model(logits[:, -1:].argmax(-1), caches=caches)
+    return logits
