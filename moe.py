@@ -307,15 +307,18 @@ class MoE(nn.Module):
 
     def dispatch(self, N, dt, dev):
         """The moe_dispatch that runs N rows. "auto": compiled or recorded for a CUDA graph, gather
-        while it moves fewer bytes than masked, else masked; eagerly gather for a decode step's few
-        rows, else grouped_mm where torch has it for these inputs, else loop (bench.py 4h)."""
+        for a decode step's few rows (on CUDA while it moves fewer bytes than masked), else masked;
+        eagerly gather for a decode step's few rows, else grouped_mm where torch has it for these
+        inputs, else loop (bench.py 4h)."""
         mode = self.cfg.moe_dispatch
         if mode != "auto":
             return mode
-        if static_step(torch.device(dev)):  # compiled or a CUDA graph: static shapes, no host read. Gather
-            # copies each chosen expert's weights per (token, k) pair, written then read; masked reads every
-            # expert's once: gather while that moves fewer bytes
-            return "gather" if 2 * N * self.cfg.top_k < self.cfg.n_experts else "masked"
+        if static_step(torch.device(dev)):  # compiled or a CUDA graph: static shapes, no host read
+            pairs = N * self.cfg.top_k  # on CUDA gather copies each pair's expert weights (written, then read)
+            # where masked reads every expert's once: gather while that moves fewer bytes; on the CPU the
+            # weights stay in cache and gather pays up to COMPILED_GATHER_ROWS pairs (bench.py 4g)
+            few = 2 * pairs < self.cfg.n_experts if dev == "cuda" else pairs <= COMPILED_GATHER_ROWS
+            return "gather" if few else "masked"
         if N * self.cfg.top_k <= GATHER_ROWS:
             return "gather"
         aligned = all(n * dt.itemsize % 16 == 0 for n in (self.cfg.n_embd, self.cfg.expert_hidden))
@@ -471,6 +474,7 @@ class Transformer(nn.Module):
 
 
 GATHER_ROWS = 4  # auto, eager: (token, k) pairs up to which gather beats sorting by expert (bench.py 4h)
+COMPILED_GATHER_ROWS = 128  # auto, compiled on the CPU: up to a batch-16 n = 4 decode step's pairs (bench.py 4g)
 
 
 def sdpa(q, k, v, mask, is_causal=False):

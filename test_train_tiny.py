@@ -18,7 +18,7 @@ import tasks
 import train_tiny as tt
 import trainer
 from conftest import SMOKE, flags, patch_train, suite_ctx, suite_run, tiny_backbone
-from lab import ablations, inside, report, tokens
+from lab import ablations, compute, inside, report, tokens
 from lab.arith import Arith
 from tah import ThinkAtHard
 from tasks import Lookups
@@ -267,7 +267,7 @@ def all_effects():
     """Every Effect the suite files define: alone, in a tuple (a TaH task's), or in a dict, and the
     HD probes' effects of each n > 1."""
     found = []
-    for module in (protocols, ablations, inside):
+    for module in (protocols, ablations, inside, compute):
         for v in vars(module).values():
             for group in (v.values() if isinstance(v, dict) else [v]):
                 found += [e for e in (group if isinstance(group, tuple) else [group]) if isinstance(e, report.Effect)]
@@ -280,7 +280,7 @@ def test_smoke_runs_every_suite_and_writes_results(smoke_run):
     assert {s.split("/")[0] for s, _ in stages} == set(tt.SUITES)
     md = (tmp_path / "results.md").read_text()
     effects = all_effects()
-    assert len(effects) == 28  # 8 HD and MoE, TaH-3, 4 for each TaH lookups task, 3 for addition, 2 attention, 3 HD inside per n
+    assert len(effects) == 29  # 8 HD and MoE, TaH-3, 4 each TaH lookups task, 3 addition, 2 attention, 3 HD inside per n, compute
     assert len({e.id for e in effects}) == len(effects)
     for effect in effects:  # every effect reported, with the paper's figure in its caption
         assert f"**{effect.name}** (paper: {effect.paper})" in md, effect
