@@ -38,7 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 from generate import TaHCache, compiled_step, generate_tah, graphed_step, lora_merged, make_caches
-from hd import HDConfig, HiddenDecoding, fold, full, intra, local, unfold
+from hd import HDConfig, HiddenDecoding, expand_streams, fold, full, intra, local, unfold
+from lab.compute import Looped
 from moe import GATHER_ROWS, MoE, ModelConfig, attend, attend_folded, dense_mask
 from tah import LoRALinear, TaHConfig, ThinkAtHard
 
@@ -878,6 +879,45 @@ def compiled_against_eager(width, repeats, device="cuda", steps=30, B=8, L=256, 
           f"{'one way in every seed: a bug' if one_way else 'no common direction: rounding'}")
 
 
+def looped_costs(device, repeats, L=128, B=4, prompt=64, steps=8, quick=False):
+    """9. What a loop costs against HD's streams (lab/compute.py, --suite hd-compute): the n = 1
+    model looped x4 (its whole stack run 4 times per token), HD n = 4 and n = 1, IIFLII at width 64:
+    a training step, and cached decoding (a cache per pass for the loop) at batch 1 and 16. HD's
+    argument (HD §3): at a small batch the streams use idle compute in one pass, a loop waits on itself."""
+    torch.manual_seed(0)
+    if quick:
+        L, prompt, steps = 16, 8, 2
+    base = HiddenDecoding(hd_cfg(1, "IIFLII", max(L, prompt + steps + 1), window=16)).to(device)
+    arms = {"n=1": base, "n=1 looped x4": Looped(base, 4), "HD n=4": expand_streams(base, 4)}
+    idx = torch.randint(512, (B, L + 1), device=device)
+    train = timeit({k: train_step(m, idx) for k, m in arms.items()}, repeats, device)
+    rows = []
+    for batch in (1, 16):
+        p = torch.randint(512, (batch, prompt), device=device)
+        dec = timeit({k: (lambda m=m: decode_greedy(m, p, steps)) for k, m in arms.items()}, repeats, device)
+        rows.append((batch, dec))
+    table = [[k, f"{train[k] / train['n=1']:.2f}x", f"{train[k] / train['HD n=4']:.2f}x"]
+             + [f"{d[k] / d['n=1']:.2f}x" for _, d in rows] + [f"{d[k] / d['HD n=4']:.2f}x" for _, d in rows]
+             for k in arms]
+    show(f"9. A loop against HD's streams: n=1 looped x4 (the whole stack, shared weights) vs n=1 and HD n=4, layout "
+         f"IIFLII width 64; training step L={L} x B={B}; {steps} greedy decode steps after a {prompt}-token prompt "
+         "(time ratios)", table,
+         ["model", "train step vs n=1", "train step vs HD n=4", "decode B=1 vs n=1", "decode B=16 vs n=1",
+          "decode B=1 vs HD n=4", "decode B=16 vs HD n=4"])
+
+
+@torch.no_grad()
+def decode_greedy(model, idx, steps):
+    """Greedy cached decoding: one forward for the prompt, one per new token (a Looped model keeps a
+    cache per pass)."""
+    looped = isinstance(model, Looped)
+    caches = [make_caches(model.model) for _ in range(model.loops)] if looped else make_caches(model)
+    logits, _ = model(idx, caches=caches)
+    for _ in range(steps):
+        logits, _ = model(logits[:, -1:].argmax(-1), caches=caches)
+    return logits
+
+
 class OpCount(TorchDispatchMode):
     """The aten ops a call runs (the CPU's proxy for a GPU's kernel launches), and how many of them
     wait for the device to hand the host a value (.item(), nonzero, a boolean-mask index)."""
@@ -975,7 +1015,8 @@ def section_table(mode, q, device, rep):
         "4f": lambda: window_layer(72 if q else 4096 + 32, (1,) if q else (1, 16), device, rep, steps=2 if q else 32),
         "5": lambda: tah_costs(16 if q else 64, device, rep, widths=(32,) if q else (64, 256)),
         "5b": lambda: tah_profile(16 if q else 64, device, rep, width=32 if q else 256),
-        "8": lambda: op_counts(device, quick=q)}
+        "8": lambda: op_counts(device, quick=q),
+        "9": lambda: looped_costs(device, rep, quick=q)}
     if device == "cuda":
         table["6a"] = lambda: cuda_attention(1024 if q else 8192, rep)
         table["6b"] = lambda: compiled_against_eager(512, rep, steps=20)

@@ -224,13 +224,9 @@ def tah_stages(preset, task):
     batches) and stage 2. A sequence holds whole problems only: a problem cut off at the block's
     end has targets its pairs or operands cannot serve."""
     p, block = preset, preset.block // task.problem_len * task.problem_len
-    return TaHStages(base=Stage(p.tah_base_iters, p.tah_base_lr, warmup=min(50, p.tah_base_iters), batch=p.tah_batch,
-                                block=block),
-                     sft=Stage(p.tah_sft_iters, p.tah_sft_lr, warmup=min(10, p.tah_sft_iters), batch=p.tah_batch,
-                               block=block),
-                     stage2=Stage(p.decider_iters, p.decider_lr, warmup=min(10, p.decider_iters), batch=p.tah_batch,
-                                  block=block),
-                     evals=p.tah_eval_batches)
+    stage = lambda steps, lr, warmup: Stage(steps, lr, warmup=min(warmup, steps), batch=p.tah_batch, block=block)
+    return TaHStages(base=stage(p.tah_base_iters, p.tah_base_lr, 50), sft=stage(p.tah_sft_iters, p.tah_sft_lr, 10),
+                     stage2=stage(p.decider_iters, p.decider_lr, 10), evals=p.tah_eval_batches)
 
 
 def standard_loss(model, x, y):

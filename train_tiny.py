@@ -187,12 +187,12 @@ def write_report(flags, ctx, rows, seconds):
     if "hd" in flags.suites:
         drawn.append(inside.plot_hd_streams(summary, flags.out, flags.preset.hd_ns))
     if set(flags.suites) & {"tah", "tah-hidden", "tah-add"}:
-        ends = (protocols.STANDARD.label, protocols.ALWAYS.label)
-        drawn.append(inside.plot_tah_tradeoff(summary, flags.out, eval_set, ends))
+        drawn.append(inside.plot_tah_tradeoff(summary, flags.out, eval_set))
     if "tah" in flags.suites:
         drawn.append(inside.copy_tah_problem(ctx.run_dir, flags.out))
-    if "hd-compute" in flags.suites:  # loss against training FLOPs (lab/compute.py)
-        drawn.append(figures.plot_compute(summary, flags.out))
+    if "hd-compute" in flags.suites:  # loss against training FLOPs, --suite all's
+        from lab import compute
+        drawn.append(compute.plot(summary, flags.out))
     log("figures: " + ", ".join(str(f) for f in drawn if f))
     if flags.smoke and (ctx.run_dir / "ckpt").is_dir():
         shutil.rmtree(ctx.run_dir / "ckpt")

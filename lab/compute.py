@@ -18,14 +18,13 @@ x head_dim x keys / 2, per row, times the rows a token becomes (HD: n) and the p
 k), times the tokens its continuation trains on (steps x batch x block): lab/flops.py's per_token.
 """
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import protocols
 from checks import check_tokens
 from hd import expand_streams
-from lab import flops
+from lab import figures, flops
 from lab.report import Arm, Claim, Effect, result_rows
 from moe import upcast
 from protocols import lm_loss
@@ -128,12 +127,28 @@ WAYS = {"more streams (HD)": [N1, streams_arm(2), streams_arm(4)],  # the figure
         "looping (recurrent depth)": [N1, looped_arm(2), looped_arm(4)]}
 
 
-@torch.no_grad()
-def looped_decode(model, idx, steps):
-    """Greedy decoding of a Looped model with a cache per pass (bench's cost of a looped decode step)."""
-    from generate import make_caches
-    caches = [make_caches(model.model) for _ in range(model.loops)]
-    logits, _ = model(idx, caches=caches)
-    for _ in range(steps):
-        logits, _ = model(logits[:, -1:].argmax(-1), caches=caches)
-    return logits
+def plot(summary, out_dir):
+    """What HD's compute buys (lab/compute.py): held-out loss against the continuation's training
+    FLOPs, a marker per arm (mean ± std over seeds), the three ways of spending compute as three
+    lines from the n = 1 control."""
+    pts = {}  # arm -> metric -> (mean, std)
+    for s in summary:
+        if s["effect"] == HD_COMPUTE.name:
+            pts.setdefault(s["arm"], {})[s["metric"]] = (s["mean"], s["std"])
+    plt = figures.pyplot()
+    if not pts or plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for way, arms in WAYS.items():
+        have = [a.label for a in arms if a.label in pts]
+        x = [pts[a][FLOPS][0] for a in have]
+        (y, dy) = zip(*[pts[a]["loss"] for a in have])
+        ax.errorbar(x, y, yerr=dy, fmt="o-", ms=4, capsize=3, lw=1.2, label=way)
+        for a, xi, yi in zip(have, x, y):
+            ax.annotate(a.split(" (")[0], (xi, yi), fontsize=6, xytext=(4, 4), textcoords="offset points")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("continuation training FLOPs (log 2)")
+    ax.set_ylabel("held-out loss (nats per token; mean ± std over seeds)")
+    ax.set_title("HD's compute against the same compute spent another way", fontsize=9)
+    ax.legend(fontsize=7)
+    return figures.saved(fig, out_dir / "hd_compute.png")

@@ -133,34 +133,6 @@ def plot_sweep(summary, out_dir, eval_set, effects, ends):
     return saved(fig, out_dir / "tah_tradeoff.png")
 
 
-def plot_compute(summary, out_dir):
-    """What HD's compute buys (lab/compute.py): held-out loss against the continuation's training
-    FLOPs, a marker per arm (mean ± std over seeds), the three ways of spending compute as three
-    lines from the n = 1 control."""
-    from lab.compute import FLOPS, HD_COMPUTE, WAYS  # lab/compute.py draws on the protocols, which draw on this file
-    pts = {}  # arm -> metric -> (mean, std)
-    for s in summary:
-        if s["effect"] == HD_COMPUTE.name:
-            pts.setdefault(s["arm"], {})[s["metric"]] = (s["mean"], s["std"])
-    plt = pyplot()
-    if not pts or plt is None:
-        return None
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for way, arms in WAYS.items():
-        have = [a.label for a in arms if a.label in pts]
-        x = [pts[a][FLOPS][0] for a in have]
-        (y, dy) = zip(*[pts[a]["loss"] for a in have])
-        ax.errorbar(x, y, yerr=dy, fmt="o-", ms=4, capsize=3, lw=1.2, label=way)
-        for a, xi, yi in zip(have, x, y):
-            ax.annotate(a.split(" (")[0], (xi, yi), fontsize=6, xytext=(4, 4), textcoords="offset points")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("continuation training FLOPs (log 2)")
-    ax.set_ylabel("held-out loss (nats per token; mean ± std over seeds)")
-    ax.set_title("HD's compute against the same compute spent another way", fontsize=9)
-    ax.legend(fontsize=7)
-    return saved(fig, out_dir / "hd_compute.png")
-
-
 def plot_trace(trace, names, threshold, path, describe=str):
     """One TaH forward drawn (TaH Figs. 5, 7): p(go on) after pass 1 per token (red: it went on)
     and the threshold; below, the second pass's attention of each token that went on over every

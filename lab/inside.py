@@ -357,10 +357,11 @@ def save_tah_problem(ctx, model, x, data):
 TAH_INSIDE_MD = {"tah_problem.md": "TaH inside: one held-out lookup problem through the decider (TaH Figs. 5 and 7)"}
 
 
-def plot_tah_tradeoff(summary, out, eval_set, ends):
-    """Every TaH task's threshold sweep in the rows, one panel each; ends: the labels of the arms at
-    its two ends (Standard, AlwaysThink)."""
+def plot_tah_tradeoff(summary, out, eval_set):
+    """Every TaH task's threshold sweep in the rows, one panel each; its two ends (Standard,
+    AlwaysThink) are its arms that are no threshold of the decider."""
     sweeps = list(dict.fromkeys(s["effect"] for s in summary if s["effect"].startswith("TaH: decider threshold")))
+    ends = tuple(dict.fromkeys(s["arm"] for s in summary if s["effect"] in sweeps and "threshold" not in s["arm"]))
     return plot_sweep(summary, out, eval_set, sweeps, ends)
 
 

@@ -64,8 +64,7 @@ def test_the_tradeoff_labels_each_threshold_and_zooms_on_them(drawn):
     for t, it in ((0.5, 0.07), (0.9, 0.06)):
         summary += [row(effect, f"TaH decider, threshold {t}", "iterated", it), row(effect, f"TaH decider, threshold {t}",
                                                                                   "acc", 0.95)]
-    assert inside.plot_tah_tradeoff(summary, out, "held-out", (protocols.STANDARD.label,
-                                                                             protocols.ALWAYS.label)) is not None
+    assert inside.plot_tah_tradeoff(summary, out, "held-out") is not None
     (fig,) = figs
     ax = fig.axes[0]
     inset = ax.child_axes[0]
