@@ -173,8 +173,10 @@ def is_count(metric):
     return "vs Standard" in metric or "->" in metric or metric == "corrected - corrupted"
 
 
-def fmt(metric, x):
-    return f"{x:.0f}" if is_count(metric) else f"{x:.4f}"
+def fmt(metric, x, sign=""):
+    """Counts as whole numbers, large values (FLOPs) in 4 significant digits, the rest to 4 decimals;
+    sign "+": the sign always written."""
+    return f"{x:{sign}.0f}" if is_count(metric) else f"{x:{sign}.4g}" if abs(x) >= 1e5 else f"{x:{sign}.4f}"
 
 
 def table(summary, verdicts, header, rule):
@@ -201,7 +203,7 @@ def table(summary, verdicts, header, rule):
                     continue
                 cell = f"{fmt(m, s['mean'])} ± {fmt(m, s['std'])}"
                 if "delta_mean" in s and not is_count(m):
-                    cell += f" (Δ {s['delta_mean']:+.4f} ± {s['delta_std']:.4f})"
+                    cell += f" (Δ {fmt(m, s['delta_mean'], '+')} ± {fmt(m, s['delta_std'])})"
                 if s["n"] < s["seeds"]:
                     cell += f" ({s['n']} of {s['seeds']} seeds)"
                 row.append(cell)

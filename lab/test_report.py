@@ -37,6 +37,14 @@ def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
     assert "1.0000 ± 0.7071 (2 of 3 seeds)" in md and "no value" in md and "nan" not in md
 
 
+
+def test_table_cells_keep_four_significant_digits_for_large_values_and_four_decimals_for_losses():
+    # a FLOPs count printed to 4 decimals is 14 digits, 10 of them noise; a loss keeps its 4 decimals
+    assert report.fmt("loss", 5.56204) == "5.5620" and report.fmt("loss", -0.0295, "+") == "-0.0295"
+    assert report.fmt("FLOPs", 538_812_345_678.0) == "5.388e+11"
+    assert report.fmt("FLOPs", 611_200_000_000.0, "+") == "+6.112e+11"
+    assert report.fmt("corrected vs Standard", 777.4) == "777" and report.fmt("loss", 0.0, "+") == "+0.0000"
+
 # -----------------------------------------------------------------------------
 # bad input
 
