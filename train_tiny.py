@@ -190,7 +190,7 @@ def write_report(flags, ctx, rows, seconds):
         drawn.append(inside.plot_tah_tradeoff(summary, flags.out, eval_set))
     if "tah" in flags.suites:
         drawn.append(inside.copy_tah_problem(ctx.run_dir, flags.out))
-    if "hd-compute" in flags.suites:  # loss against training FLOPs, --suite all's
+    if "hd-compute" in flags.suites:  # loss against training FLOPs (--suite hd-compute, or all)
         from lab import compute
         drawn.append(compute.plot(summary, flags.out))
     log("figures: " + ", ".join(str(f) for f in drawn if f))
