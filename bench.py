@@ -22,7 +22,11 @@ widths, and where TaH's extra cost goes; (6) on CUDA, flex_attention vs SDPA and
                               # about a minute of compiling per row
 """
 
-import argparse
+from lab import startup  # first, before torch imports: Ctrl-C in these first seconds ends the process at once
+
+startup.guard(__name__)
+
+import argparse  # noqa: E402
 import contextlib
 import copy
 import os

@@ -13,6 +13,7 @@ non-finite loss or weights, and sampling refuses non-finite logits).
 import argparse
 import math
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import fields
 
@@ -452,3 +453,15 @@ def real_device(device):
 def demo_args(doc):
     """A method file's demo takes no arguments: --help prints its docstring, anything else is refused."""
     argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+
+
+def not_a_script(path, instead):
+    """A module that is no script, run as one (by its path or with -m, with any arguments): one
+    line saying what to run instead, and exit 2. (lab/'s modules say it in their first lines: by
+    its path a lab module cannot import the project.)"""
+    print(f"{path} is no script: run {instead}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    not_a_script("checks.py", "python train_tiny.py (the methods call its checks; python -m pytest tests them)")

@@ -149,3 +149,8 @@ def suite_run(name, preset, ctx, seed, data, ablations):
 def suite_ctx(tmp_path):
     import trainer
     return trainer.Context(tmp_path, log_every=100, ckpt_every=100)
+
+
+if __name__ == "__main__":
+    from checks import not_a_script
+    not_a_script("conftest.py", "python -m pytest")

@@ -419,3 +419,8 @@ def tah_claims(effects, task):
 
 
 TAH_CLAIMS = tah_claims(TAH_EFFECTS, "TaH, lookups") + inside.tah_claims(TAH_EFFECTS.inside, "TaH, lookups")
+
+
+if __name__ == "__main__":
+    from checks import not_a_script
+    not_a_script("protocols.py", "python train_tiny.py")

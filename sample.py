@@ -13,7 +13,11 @@ It reads the run's results.json (the preset and the run's folder) and the checkp
 (`--smoke` removes its own: run `--preset smoke` to keep them).
 """
 
-import argparse
+from lab import startup  # first, before torch imports: Ctrl-C in these first seconds ends the process at once
+
+startup.guard(__name__)
+
+import argparse  # noqa: E402
 import json
 import re
 from dataclasses import fields

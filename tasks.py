@@ -214,3 +214,8 @@ def answer_exact(ok, y, problem_len, answers):
     wrong = torch.zeros_like(ids).index_add_(0, torch.searchsorted(ids, pid), (~good).long())
     complete = count == answers
     return (wrong[complete] == 0).float().mean().item() if complete.any() else float("nan")
+
+
+if __name__ == "__main__":
+    from checks import not_a_script
+    not_a_script("tasks.py", "python train_tiny.py")

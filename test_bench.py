@@ -169,3 +169,8 @@ def test_the_gpu_check_tells_a_missing_torch_from_a_missing_gpu_and_leaves_nothi
     assert "Traceback" not in run.stderr and not back.exists() and not (tmp_path / "runs").exists()
     run, _ = gpu_check(tmp_path, "--bogus")
     assert run.returncode == 2 and "unknown argument '--bogus'" in run.stderr
+
+
+if __name__ == "__main__":
+    from checks import not_a_script
+    not_a_script("test_bench.py", "python -m pytest test_bench.py")

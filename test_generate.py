@@ -561,3 +561,8 @@ def test_static_tah_caches_refuse_a_graphed_that_is_not_a_bool_or_not_on_cuda():
 def test_generate_refuses_what_is_not_a_model_in_one_line(model):
     with pytest.raises(ValueError, match="generate take a moe.Transformer or hd.HiddenDecoding, got"):
         generate(model, torch.zeros(1, 2, dtype=torch.long), 2)
+
+
+if __name__ == "__main__":
+    from checks import not_a_script
+    not_a_script("test_generate.py", "python -m pytest test_generate.py")

@@ -724,3 +724,8 @@ def test_the_training_forward_and_backward_trace_whole_and_equal_eager(kind, kw)
     body = lambda m: m.backbone if kind == "hd" else m
     for a, b in zip(body(model).moe_layers(), body(ref).moe_layers()):
         assert torch.equal(a.step_load, b.step_load)
+
+
+if __name__ == "__main__":
+    from checks import not_a_script
+    not_a_script("test_hd.py", "python -m pytest test_hd.py")

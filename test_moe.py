@@ -926,3 +926,8 @@ def test_token_ids_on_the_meta_device_are_refused_before_the_forward():
                                     head_dim=8, n_experts=2, top_k=1, expert_hidden=8))
     with pytest.raises(ValueError, match="idx is on the meta device"):
         model(torch.zeros(1, 4, dtype=torch.long, device="meta"))
+
+
+if __name__ == "__main__":
+    from checks import not_a_script
+    not_a_script("test_moe.py", "python -m pytest test_moe.py")

@@ -24,8 +24,19 @@ def name_of(path):
     return str(path.relative_to(HERE))
 
 
+def refusal(src):
+    """The line numbers of a module's refusal to run as a script (its `if __name__ == "__main__":`
+    block that says it is no script): no run of train_tiny.py reaches them, so no measure counts them."""
+    return {i for n in ast.parse(src).body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)
+            and ("not_a_script" in ast.unparse(n) or "is no script" in ast.unparse(n))
+            for i in range(n.lineno, n.end_lineno + 1)}
+
+
 def lines(path):
-    return sum(1 for line in (HERE / path).read_text().splitlines() if line.strip())
+    """Non-blank lines, less the module's refusal to run as a script."""
+    src = (HERE / path).read_text()
+    skip = refusal(src)
+    return sum(1 for i, line in enumerate(src.splitlines(), 1) if line.strip() and i not in skip)
 
 
 def local_imports(path):
@@ -147,11 +158,12 @@ def test_the_top_level_is_what_a_learner_reads_and_runs():
 
 
 def code_lines(path):
-    """Lines that hold code: not blank, not a comment, not a docstring."""
+    """Lines that hold code: not blank, not a comment, not a docstring, not the refusal to run as a script."""
     src = (HERE / path).read_text()
     docs = {i for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
             and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)
             and isinstance(n.body[0].value.value, str) for i in range(n.body[0].lineno, n.body[0].end_lineno + 1)}
+    docs |= refusal(src)
     return sum(1 for i, line in enumerate(src.splitlines(), 1)
                if line.strip() and not line.strip().startswith("#") and i not in docs)
 
@@ -261,52 +273,81 @@ def test_the_readability_checks_see_what_they_forbid(tmp_path):
 # Every script a user may run
 
 
-SCRIPTS = [p for p in SOURCES if "__main__" in p.read_text() and "not_a_script" not in p.read_text()]
-NOT_SCRIPTS = {"lab/report.py": "train_tiny.py", "lab/inside.py": "train_tiny.py",
-               "lab/ablations.py": "train_tiny.py --suite all"}  # modules that were scripts once
+EVERY_FILE = sorted(name_of(p) for p in [*HERE.glob("*.py"), *HERE.glob("lab/*.py")])
+SCRIPTS = [f for f in EVERY_FILE if "__main__" in (HERE / f).read_text() and not refusal((HERE / f).read_text())]
 RUN_EACH = """
 import contextlib, io, json, runpy, sys, warnings
 warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package")  # run once imported
 said = {}
-for module, args in json.loads(sys.argv[1]):
-    sys.argv, err = [module] + args, io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            runpy.run_module(module, run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            code = e.code
-    said[module] = (code, err.getvalue())
+for path, args in json.loads(sys.argv[1]):
+    for way in ("path", "-m"):
+        sys.argv, err = [path] + args, io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                if way == "path":
+                    runpy.run_path(path, run_name="__main__")
+                else:
+                    runpy.run_module(path[:-3].replace("/", "."), run_name="__main__")
+                code = 0
+            except SystemExit as e:
+                code = e.code
+        said[f"{way} {path}"] = (code, err.getvalue())
 print(json.dumps(said))
 """
 
 
-def run_each(modules_and_args):
-    """Each module run as __main__ with its arguments, in one process: {module: (exit code, stderr)}."""
+def run_each(files_and_args):
+    """Each file run as __main__ with its arguments by its path and with -m, in one process (the
+    root's files: by their path the project imports as with -m): {"path f" / "-m f": (exit code, stderr)}."""
     import json
-    run = subprocess.run([sys.executable, "-c", RUN_EACH, json.dumps(modules_and_args)], cwd=HERE, capture_output=True,
+    run = subprocess.run([sys.executable, "-c", RUN_EACH, json.dumps(files_and_args)], cwd=HERE, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def module_name(path):
-    return path[:-3].replace("/", ".")
+def test_every_file_at_the_top_level_run_as_a_script_does_its_job_or_says_what_to_run():
+    """Every .py file at the top level, run by its path and with -m, with --bogus 1: a script (a
+    __main__ block that runs something) exits 2 naming the argument, no traceback; every other
+    module says in one line that it is no script and what to run, exit 2."""
+    top = [f for f in EVERY_FILE if "/" not in f]
+    said = run_each([(f, ["--bogus", "1"]) for f in top])
+    for f in top:
+        for way in ("path", "-m"):
+            code, err = said[f"{way} {f}"]
+            if f in SCRIPTS:
+                assert code == 2 and "--bogus" in err and "Traceback" not in err, (way, f, code, err[-500:])
+            else:
+                assert code == 2 and err.strip().splitlines() == [err.strip()] and f"{f} is no script: run python " \
+                    in err, (way, f, code, err[-500:])
+    assert {"train_tiny.py", "sample.py", "bench.py", "moe.py", "hd.py", "tah.py", "generate.py"} <= set(SCRIPTS)
 
 
-def test_every_script_refuses_an_unknown_argument_with_exit_2_and_a_module_no_script_says_what_to_run():
-    """Every file with a __main__ block, run with --bogus 1: exit 2 and a line naming it, no traceback;
-    a module that was a script once (python report.py drew the figures): one line saying what to run
-    instead, exit 2."""
-    said = run_each([(module_name(name_of(p)), ["--bogus", "1"]) for p in SCRIPTS]
-                    + [(module_name(m), []) for m in NOT_SCRIPTS])
-    for p in SCRIPTS:
-        code, err = said[module_name(name_of(p))]
-        assert code == 2 and "--bogus" in err and "Traceback" not in err, (name_of(p), code, err[-500:])
-    for m, instead in NOT_SCRIPTS.items():
-        code, err = said[module_name(m)]
-        assert code == 2 and instead in err and len(err.strip().splitlines()) == 1, (m, err)
-    assert len(SCRIPTS) >= 8
+def test_every_lab_file_run_as_a_script_from_anywhere_says_what_to_run_in_one_line():
+    """Every lab/ file run by its path from the root and from lab/ (where the project cannot be
+    imported), and with -m: one line saying what to run, exit 2, with or without arguments, in a
+    fresh process each; `python -m lab.figures` alone is a script (it draws the masks)."""
+    runs = {}
+    for f in [f for f in EVERY_FILE if f.startswith("lab/")]:
+        ways = [([f], HERE), ([f[4:]], HERE / "lab"), (["-m", f[:-3].replace("/", ".")], HERE)]
+        if f == "lab/figures.py":
+            ways = ways[:2]  # with -m it is a script: the other test runs it
+        for i, (args, cwd) in enumerate(ways):
+            extra = [] if i == 0 else ["--bogus", "1"]
+            runs[(f, tuple(args + extra), cwd.name)] = subprocess.Popen(
+                [sys.executable, *args, *extra], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for (f, args, cwd), run in runs.items():
+        out, err = run.communicate(timeout=120)
+        want = "python -m lab.figures" if f == "lab/figures.py" else "is no script: run python "
+        assert run.returncode == 2 and not out and err.strip().splitlines() == [err.strip()] and want in err, \
+            (f, args, cwd, run.returncode, err[-500:])
+    assert len(runs) >= 3 * 20
+
+
+def test_lab_figures_run_with_m_refuses_an_unknown_argument():
+    run = subprocess.run([sys.executable, "-m", "lab.figures", "--bogus", "1"], cwd=HERE, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "--bogus" in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 # -----------------------------------------------------------------------------
@@ -363,3 +404,8 @@ def test_no_text_calls_the_targets_met_when_the_table_has_a_miss():
     for section in {s for s, *_, v in target_rows() if v == "missed"}:
         text = section_text(section)
         assert not re.search(r"targets?,? (both |all )?met", text, re.I), section
+
+
+if __name__ == "__main__":
+    from checks import not_a_script
+    not_a_script("test_structure.py", "python -m pytest test_structure.py")

@@ -782,3 +782,8 @@ def test_tah_compiles_each_pass_whole_and_decoding_reuses_the_passes_graphs(monk
     assert torch.equal(long[0][:, :18], tokens)
     with pytest.raises(ValueError, match="compile must be True or False"):
         generate_tah(model, idx, 2, compile=1)
+
+
+if __name__ == "__main__":
+    from checks import not_a_script
+    not_a_script("test_tah.py", "python -m pytest test_tah.py")

@@ -558,3 +558,8 @@ def test_sample_refuses_what_is_no_results_of_a_trained_run_in_one_line(spoil, t
         sample.read_run(tmp_path)
     assert str(e.value.code).startswith(f"error: {path} is missing or not the results of a train_tiny.py run")
     assert "\n" not in str(e.value.code)
+
+
+if __name__ == "__main__":
+    from checks import not_a_script
+    not_a_script("test_train_tiny.py", "python -m pytest test_train_tiny.py")

@@ -251,3 +251,8 @@ def finite_loss(r):
         raise SystemExit(f"error: a held-out loss is {r['loss']}: the model's outputs are not finite; nothing of "
                          "this arm is reported (try a lower lr)")
     return r
+
+
+if __name__ == "__main__":
+    from checks import not_a_script
+    not_a_script("trainer.py", "python train_tiny.py")

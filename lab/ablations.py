@@ -8,6 +8,11 @@ MoE backbone's balancing and KV-Mirror, HD's progressive 1 -> 2 -> 4 (§2.3), Ta
 (TaH App. A.2.1), and what HD's compute buys against the same compute spent otherwise (lab/compute.py).
 """
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/ablations.py is no script: run python train_tiny.py --suite all", file=sys.stderr)
+    sys.exit(2)
+
 import copy
 from dataclasses import replace
 
@@ -426,8 +431,3 @@ def moe_mirror(preset, ctx, seed, data, bias_on):
 
 MOE_CLAIMS = [Claim("loss-free bias balances the experts", MOE_BALANCE, MOE_ON, baseline=MOE_OFF, metric=MOE_LOAD,
                     sign=-1)]
-
-
-if __name__ == "__main__":
-    from lab.startup import not_a_script
-    not_a_script("lab/ablations.py", "python train_tiny.py --suite all")

@@ -3,6 +3,11 @@ Fixed-width addition, the task of --suite all's contrast (TaH on addition, lab/a
 hard digits need the carry chain over operands that never iterate, not a refinement at the digit.
 """
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/arith.py is no script: run python train_tiny.py --suite tah-add", file=sys.stderr)
+    sys.exit(2)
+
 import torch
 
 

@@ -18,12 +18,17 @@ x head_dim x keys / 2, per row, times the rows a token becomes (HD: n) and the p
 k), times the tokens its continuation trains on (steps x batch x block): lab/flops.py's per_token.
 """
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/compute.py is no script: run python train_tiny.py --suite hd-compute", file=sys.stderr)
+    sys.exit(2)
+
 import torch.nn as nn
 import torch.nn.functional as F
 
 import protocols
-from checks import check_tokens
-from hd import expand_streams
+from checks import MAX_INT, check_fits, check_tokens, is_int
+from hd import HiddenDecoding, expand_streams
 from lab import figures, flops
 from lab.report import Arm, Claim, Effect, result_rows
 from moe import upcast
@@ -39,9 +44,15 @@ class Looped(nn.Module):
 
     def __init__(self, model, loops):
         super().__init__()
-        if getattr(model.cfg, "n_streams", None) != 1 or not isinstance(loops, int) or loops < 1:
-            raise ValueError(f"Looped takes an n = 1 HiddenDecoding and an int loops >= 1, got n_streams "
-                             f"{getattr(model.cfg, 'n_streams', None)}, loops {loops!r}")
+        if type(model) is not HiddenDecoding or model.cfg.n_streams != 1:
+            what = f"n_streams {model.cfg.n_streams}" if type(model) is HiddenDecoding else type(model).__name__
+            raise ValueError(f"Looped takes an n = 1 HiddenDecoding (hd.py), got {what}"[:200])
+        if not is_int(loops) or not 1 <= loops <= MAX_INT:
+            raise ValueError(f"Looped's loops must be an int in [1, 2**53], got {loops!r}"[:200])
+        try:  # the size rule: `loops` passes keep what a batch of `loops` sequences keeps
+            check_fits(model.cfg, batch=loops)
+        except ValueError as e:
+            raise ValueError(f"Looped x{loops:,}: {e}") from None
         self.model, self.loops = model, loops
 
     @property
@@ -55,6 +66,9 @@ class Looped(nn.Module):
     def forward(self, idx, targets=None, caches=None):
         m = self.model
         check_tokens(idx, targets, m.cfg.vocab_size)
+        if caches is not None and (not isinstance(caches, (list, tuple)) or len(caches) != self.loops):
+            raise ValueError(f"a Looped model's caches are one generate.make_caches per pass: {self.loops} of them, "
+                             f"got {len(caches) if isinstance(caches, (list, tuple)) else type(caches).__name__}")
         x = m.embed(idx)
         for j in range(self.loops):
             x = m.backbone.run_blocks(x, m.plans(idx, None if caches is None else caches[j]))

@@ -1,8 +1,13 @@
 """
 The figures of train_tiny.py's report, drawn with matplotlib from the report's summary (or, for
 the loss curves, the checkpoints' own record of their losses); without matplotlib, none. And the
-README's picture of the masks: `python figures.py --docs` draws it from the mask functions.
+README's picture of the masks: `python -m lab.figures --docs` draws it from the mask functions.
 """
+
+if __name__ == "__main__" and not __package__:  # by its path lab/ is not importable: one line saying how to run it
+    import sys
+    print("lab/figures.py runs as a module, from the project's folder: python -m lab.figures --help", file=sys.stderr)
+    sys.exit(2)
 
 from pathlib import Path
 
@@ -265,7 +270,7 @@ def draw_masks(panels):
 
 
 def plot_masks(path):
-    """The README's picture of the masks (docs/masks.png) at `path`: `python figures.py` draws it."""
+    """The README's picture of the masks (docs/masks.png) at `path`: `python -m lab.figures --docs` draws it."""
     fig = draw_masks(mask_panels())
     if fig is None:
         return None
@@ -275,7 +280,7 @@ def plot_masks(path):
 
 
 def main(argv=None):
-    """python figures.py: the masks figure into --out (a folder, made if missing), or with --docs
+    """python -m lab.figures: the masks figure into --out (a folder, made if missing), or with --docs
     into docs/ (the README's); one line for what it cannot honour."""
     import argparse
     ap = argparse.ArgumentParser(description="Draw the masks figure (HD Fig. 3's masks, TaH's duo-causal mask) "

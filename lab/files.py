@@ -5,6 +5,11 @@ finished rows (rows.json: a (suite, seed) whose rows are saved is not trained ag
 carries the sha256 of its contents and what it belongs to, checked on reading.
 """
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/files.py is no script: run python train_tiny.py", file=sys.stderr)
+    sys.exit(2)
+
 import hashlib
 import io
 import json

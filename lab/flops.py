@@ -2,6 +2,11 @@
 Training FLOPs of the models as they run: the step line's MFU on CUDA (trainer.log_step).
 """
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/flops.py is no script: run python train_tiny.py --suite hd-compute", file=sys.stderr)
+    sys.exit(2)
+
 from moe import Transformer
 
 

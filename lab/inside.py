@@ -9,6 +9,11 @@ head read off every stream (head_probes, Fig. 7). Think-at-Hard (§5): what a se
 weights are recomputed from each moe.Attention call (moe.Attention.record) inside a `with`.
 """
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/inside.py is no script: run python train_tiny.py (its probes run in the default run)", file=sys.stderr)
+    sys.exit(2)
+
 import math
 import shutil
 from contextlib import contextmanager
@@ -368,8 +373,3 @@ def plot_tah_tradeoff(summary, out, eval_set):
 def copy_tah_problem(run_dir, out):
     trace = run_dir / "inside" / "tah_problem.png"
     return shutil.copyfile(trace, out / trace.name) if trace.exists() else None
-
-
-if __name__ == "__main__":
-    from lab.startup import not_a_script
-    not_a_script("lab/inside.py", "python train_tiny.py (its probes run in the default run)")

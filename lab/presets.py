@@ -3,6 +3,11 @@ A preset's checks, run before anything is allocated or written (lab/runner.py's 
 what a run's first lines say of how its models attend (describe).
 """
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/presets.py is no script: run python train_tiny.py", file=sys.stderr)
+    sys.exit(2)
+
 import math
 from dataclasses import fields
 

@@ -8,6 +8,11 @@ A row is {effect, effect_id, paper, arm, arm_id, metric, seed, value}; claims ma
 the tables show the labels.
 """
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/report.py is no script: run python train_tiny.py (it writes the report); python -m lab.figures draws the masks", file=sys.stderr)
+    sys.exit(2)
+
 import json
 from dataclasses import KW_ONLY, dataclass
 
@@ -112,9 +117,13 @@ def pooled(runs):
                 or not np.isfinite(d):
             raise ValueError(f"pooled's deltas must be finite real numbers, got {d!r}")
         units.setdefault((machine, seed), set()).add(float(d))
-    v = [float(np.mean(sorted(ds))) for ds in units.values()]
-    return dict(n=len(v), mean=float(np.mean(v)), std=float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
-                interval95=interval95(v))
+    with np.errstate(over="ignore"):
+        v = [float(np.mean(sorted(ds))) for ds in units.values()]
+        mean, std = float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else 0.0
+    if not (np.isfinite(v).all() and np.isfinite(mean) and np.isfinite(std)):
+        raise ValueError(f"pooled's deltas overflow a float's range (mean {mean}, std {std}): a mean that overflowed is no "
+                         "interval, as it is no verdict")
+    return dict(n=len(v), mean=mean, std=std, interval95=interval95(v))
 
 
 def pooled_cells(cells):
@@ -281,8 +290,3 @@ def write_report(rows, verdicts, out, *, header, rule, meta, inside, first_seed,
     print(("\n" + md if not brief else f"\n{len(rows)} rows of {len(summary)} (effect, arm, metric)s; {shown} (a "
            f"plumbing check decides nothing)") + f"\n\nwritten: {out / 'results.md'}, {out / 'results.json'}", flush=True)
     return summary
-
-
-if __name__ == "__main__":
-    from lab.startup import not_a_script
-    not_a_script("lab/report.py", "python train_tiny.py (it writes the report); python -m lab.figures draws the masks")

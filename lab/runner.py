@@ -5,6 +5,11 @@ can change a result, so a killed run resumes where it stopped; open_run: Ctrl-C 
 one line); the job pool (Jobs: each (suite, seed) here or in a --jobs process, and the time left).
 """
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/runner.py is no script: run python train_tiny.py", file=sys.stderr)
+    sys.exit(2)
+
 import argparse
 import contextlib
 import datetime

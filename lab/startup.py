@@ -1,15 +1,20 @@
 """
-A process's first moments, before torch imports (train_tiny.py calls `guard` first thing; a --jobs
-process reaches it too, as it imports what it runs): the run's Ctrl-C means "nothing was run" only
-while it is true, and a --jobs process ends itself when the run that started it dies.
+A process's first moments, before torch imports (the entry scripts, train_tiny.py, sample.py and
+bench.py, call `guard` first thing; a --jobs process reaches it too, as it imports what it runs):
+the run's Ctrl-C means "nothing was run" only while it is true, and a --jobs process ends itself
+when the run that started it dies. Importing this file loads nothing that takes time (os and sys are
+loaded with the interpreter, signal is a few lines over a built-in): the handler is in place ~1 ms
+after the interpreter's own start-up, which no script can shorten.
 """
 
-import multiprocessing
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/startup.py is no script: run python train_tiny.py", file=sys.stderr)
+    sys.exit(2)
+
 import os
 import signal
 import sys
-import threading
-import time
 
 WATCHING = []  # the watch thread, once started
 
@@ -17,10 +22,10 @@ WATCHING = []  # the watch thread, once started
 def guard(name):
     """In the run's own process (`name` "__main__"): Ctrl-C ends it at once with one line and 130.
     In a --jobs process (multiprocessing names it; its imports are this moment): it watches its parent."""
-    if multiprocessing.current_process().name != "MainProcess":
-        end_with_parent()
-    elif name == "__main__":
+    if name == "__main__":
         signal.signal(signal.SIGINT, interrupted_during_start_up)
+    elif "multiprocessing" in sys.modules and sys.modules["multiprocessing"].current_process().name != "MainProcess":
+        end_with_parent()  # a spawned process has multiprocessing loaded before it imports anything of ours
 
 
 def interrupted_during_start_up(sig, frame):
@@ -34,6 +39,8 @@ def interrupted_during_start_up(sig, frame):
 def end_with_parent(poll=0.5):
     """A thread that kills this process once its parent has gone (its parent id changes: a kill -9
     of the run leaves no process training on unseen); started once per process."""
+    import threading
+    import time
     if WATCHING:
         return
     parent = os.getppid()
@@ -44,9 +51,3 @@ def end_with_parent(poll=0.5):
         os.kill(os.getpid(), signal.SIGKILL)
     WATCHING.append(threading.Thread(target=watch, daemon=True))
     WATCHING[0].start()
-
-
-def not_a_script(path, instead):
-    """A module that is no script, run as one: one line saying what to run instead, and exit 2."""
-    print(f"{path} is no script: run {instead}", file=sys.stderr)
-    raise SystemExit(2)

@@ -2,6 +2,11 @@
 labels are what they say, every HD ablation continues the n = 1 checkpoint on the headline's
 batches, and progressive expansion chains 1 -> 2 -> 4 on the control's batches."""
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/test_ablations.py is no script: run python -m pytest lab/test_ablations.py", file=sys.stderr)
+    sys.exit(2)
+
 import copy
 from dataclasses import replace
 

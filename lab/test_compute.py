@@ -2,6 +2,11 @@
 hand, k = 1 is the n = 1 model itself, its cached decoding is its full forward, and the FLOPs count
 what each arm runs."""
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/test_compute.py is no script: run python -m pytest lab/test_compute.py", file=sys.stderr)
+    sys.exit(2)
+
 import pytest
 import torch
 
@@ -84,7 +89,18 @@ def test_the_flops_of_each_arm_are_what_it_runs():
 
 
 def test_looped_refuses_what_it_cannot_loop():
-    with pytest.raises(ValueError, match="n = 1 HiddenDecoding and an int loops >= 1"):
-        compute.Looped(expand_streams(n1_model(), 2), 2)
-    with pytest.raises(ValueError, match="loops >= 1"):
-        compute.Looped(n1_model(), 0)
+    """Looped takes an n = 1 HiddenDecoding (not HD n = 2, not a non-model, not a Looped), an int
+    loops (no bool, none past 2**53 or the size rule), and one cache list per pass: one line each."""
+    model = n1_model()
+    for bad in (expand_streams(model, 2), object(), compute.Looped(model, 2), model.backbone):
+        with pytest.raises(ValueError, match="Looped takes an n = 1 HiddenDecoding"):
+            compute.Looped(bad, 2)
+    for loops in (0, -1, True, 2.0, "2", 10**30):
+        with pytest.raises(ValueError, match=r"loops must be an int in \[1, 2\*\*53\]"):
+            compute.Looped(model, loops)
+    with pytest.raises(ValueError, match="Looped x1,000,000,000,000: this configuration needs"):
+        compute.Looped(model, 10**12)  # the size rule, before any pass allocates
+    idx = torch.randint(61, (1, 4))
+    for caches in ([None], [None] * 3, "caches"):
+        with pytest.raises(ValueError, match="one generate.make_caches per pass: 2 of them"):
+            compute.Looped(model, 2)(idx, caches=caches)

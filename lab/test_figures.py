@@ -2,6 +2,11 @@
 labels of the plotted quantity, the plotted values are the summary's, and a mean has its error
 bars (one std over seeds)."""
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/test_figures.py is no script: run python -m pytest lab/test_figures.py", file=sys.stderr)
+    sys.exit(2)
+
 import numpy as np
 import pytest
 

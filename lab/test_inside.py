@@ -1,6 +1,11 @@
 """Tests of the probes (inside.py), each on a model or pattern whose answer is known, or against
 a loop over the definition."""
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/test_inside.py is no script: run python -m pytest lab/test_inside.py", file=sys.stderr)
+    sys.exit(2)
+
 import math
 
 import numpy as np

@@ -1,6 +1,11 @@
 """The report (lab/report.py): pooling over a grid of cells, the t quantiles of its intervals, and
 tables over seeds where a metric has no value in some."""
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/test_report.py is no script: run python -m pytest lab/test_report.py", file=sys.stderr)
+    sys.exit(2)
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -15,6 +20,9 @@ def test_pooling_refuses_an_empty_pool_and_a_delta_that_is_not_a_finite_number()
     with pytest.raises(ValueError, match="finite real numbers"):
         report.pooled([("A", 0, 0.1), ("A", 1, float("nan"))])
     assert report.pooled([("A", 0, 0.1), ("A", 1, 0.3)])["mean"] == pytest.approx(0.2)
+    for huge in ([("A", s, 1e308) for s in range(3)], [("A", 0, 1e308), ("A", 1, -1e308)]):  # the mean, the std
+        with pytest.raises(ValueError, match="overflow a float's range"):  # as report.verdict refuses it
+            report.pooled(huge)
     # the 95% interval beside the rule: mean ± t(0.975, n-1) * std / sqrt(n); 1..5 by hand: 3 ± 2.776 * 0.7071
     assert report.interval95([1, 2, 3, 4, 5]) == pytest.approx((3 - 1.9629, 3 + 1.9629), abs=1e-3)
     assert report.interval95([2.0, 4.0]) == pytest.approx((3 - 12.706, 3 + 12.706), abs=1e-3)

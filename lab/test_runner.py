@@ -3,6 +3,11 @@ checks): the command line checked whole before anything is written, torchrun's r
 processes that give one process's rows and end with their parent, Ctrl-C and file errors as one
 line, checkpoints and rows that resume exactly and refuse what is not theirs, the time left."""
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/test_runner.py is no script: run python -m pytest lab/test_runner.py", file=sys.stderr)
+    sys.exit(2)
+
 import collections
 import json
 import os

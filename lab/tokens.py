@@ -4,6 +4,11 @@ the vocabulary compacted to the ids that occur, and a token cache keyed by the t
 a later run reads the ids instead of tokenizing again (tasks.TextData).
 """
 
+if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
+    import sys
+    print("lab/tokens.py is no script: run python train_tiny.py", file=sys.stderr)
+    sys.exit(2)
+
 import hashlib
 import importlib.util
 import sys
