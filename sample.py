@@ -19,6 +19,7 @@ startup.guard(__name__)
 
 import argparse  # noqa: E402
 import json
+import os
 import re
 from dataclasses import fields
 from pathlib import Path
@@ -35,13 +36,49 @@ from tah import ThinkAtHard
 from train_tiny import Preset
 
 MAX_TOKENS, MAX_SEED = 100_000, 10**6
+MAX_RESULTS_BYTES = 2**28  # results.json: --suite all's is ~1 MB
 
 
-def load(cls, cfg, ckpt):
-    if not ckpt.exists():
-        raise SystemExit(f"error: no checkpoint {ckpt}: train first (python train_tiny.py; --smoke keeps none)")
+def readable(path, what, most):
+    """`path` is a regular file of at most `most` bytes (never opened otherwise: a FIFO would block
+    the reading), or one line naming it and what is wrong."""
+    if not path.exists():
+        return f"no {what} {path}"
+    if not path.is_file():
+        return f"the {what} {path} is " + ("a folder" if path.is_dir() else "not a regular file")
+    if path.stat().st_size > most:
+        return f"the {what} {path} holds {path.stat().st_size:,} bytes, more than any run writes ({most:,})"
+    if not os.access(path, os.R_OK):
+        return f"the {what} {path} cannot be read (permission denied)"
+    return None
+
+
+def load(cls, cfg, ckpt, arm, seed, run_dir):
+    """The model `arm` trained for `seed` in run_dir, from its checkpoint: a regular file of its size
+    or less, intact, written for that arm, seed and run, its shapes those of the run's preset."""
     model = cls(cfg)
-    model.load_state_dict(load_checkpoint(ckpt)["model"])
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    if problem := readable(ckpt, "checkpoint", 4 * weights + 2**26):  # weights, AdamW's two moments, the record
+        raise SystemExit(f"error: {problem}: train first (python train_tiny.py; --smoke keeps none)")
+    try:
+        state = load_checkpoint(ckpt)
+    except OSError as e:
+        raise SystemExit(f"error: the checkpoint {ckpt} cannot be read ({e.strerror or e})")
+    meta = state.get("meta") if isinstance(state, dict) else None
+    want = dict(arm=arm, seed=seed, run=run_dir.name.removeprefix("run-"))
+    if not isinstance(meta, dict) or {k: meta.get(k) for k in want} != want or not isinstance(state.get("model"), dict):
+        raise SystemExit(f"error: the checkpoint {ckpt} is not {arm!r}, seed {seed}, of {run_dir.name}: it holds "
+                         f"{meta if isinstance(meta, dict) else 'no record of its arm'}"[:400])
+    have, need = state["model"], model.state_dict()
+    wrong = [k for k in need if k not in have or getattr(have[k], "shape", None) != need[k].shape] + \
+        [k for k in have if k not in need]
+    if wrong:
+        k = wrong[0]
+        raise SystemExit(f"error: the checkpoint {ckpt} does not fit the run's preset: {k} is "
+                         f"{tuple(have[k].shape) if k in have and hasattr(have[k], 'shape') else 'missing'} there, "
+                         f"{tuple(need[k].shape) if k in need else 'no weight'} in the preset's model "
+                         f"({len(wrong)} weight(s) differ)")
+    model.load_state_dict(have)
     return model.eval()
 
 
@@ -51,7 +88,8 @@ def hd_text(preset, data, run_dir, out, seed, *, tokens, temperature, top_k):
     at a time."""
     text = tasks.load_text(data, tuple(preset.plays), preset.block, out)
     n = max(preset.hd_ns)
-    model = load(HiddenDecoding, hd_config(preset, text.vocab_size, n), run_dir / "ckpt" / f"hd_n_{n}_continued_s{seed}.pt")
+    model = load(HiddenDecoding, hd_config(preset, text.vocab_size, n), run_dir / "ckpt" / f"hd_n_{n}_continued_s{seed}.pt",
+                 f"hd/n={n} continued", seed, run_dir)
     ids, g = text.split["val"][None, :16], torch.Generator().manual_seed(seed)
     prompt = len(ids[0])
     while ids.size(1) < prompt + tokens:
@@ -68,7 +106,7 @@ def tah_problem(preset, run_dir, seed):
     answer (its prediction after the query token) and how many passes each token took."""
     task = tasks.Lookups(preset.symbols, preset.queries, preset.two_hop)
     model = load(ThinkAtHard, tah_config(preset, task, preset.tah_layers),
-                 run_dir / "ckpt" / f"tah_TaH_stage_2_decider_s{seed}.pt")
+                 run_dir / "ckpt" / f"tah_TaH_stage_2_decider_s{seed}.pt", "tah/TaH stage 2 (decider)", seed, run_dir)
     idx = task.problems(1, torch.Generator().manual_seed(10**6 + seed))
     out = model(idx, mode="decider")
     lines, names = [], [task.describe(t) for t in idx[0].tolist()]
@@ -86,6 +124,8 @@ def read_run(out):
     that is no trained run of train_tiny.py's to sample from."""
     path = out / "results.json"
     why = f"error: {path} is missing or not the results of a train_tiny.py run: run python train_tiny.py --out {out}"
+    if (problem := readable(path, "results", MAX_RESULTS_BYTES)) and path.exists():
+        raise SystemExit(f"error: {problem}")
     try:
         results = json.loads(path.read_bytes().decode("utf-8"))
         given = {k: tuple(v) if isinstance(v, list) else v for k, v in results["preset"].items()}
@@ -105,6 +145,8 @@ def read_run(out):
         raise SystemExit(f"{why} (it names no run folder beside it: {run!r})")
     if data is not None and not isinstance(data, str):
         raise SystemExit(f"{why} (its data is {data!r})")
+    if data is not None and (problem := readable(Path(data), "--data file the run trained on", tasks.MAX_DATA_BYTES)):
+        raise SystemExit(f"error: {problem}: sample.py reads it again for the vocabulary (put it back, or train anew)")
     return preset, out / run, data
 
 

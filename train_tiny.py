@@ -192,7 +192,7 @@ def write_report(flags, ctx, rows, seconds):
         drawn.append(inside.copy_tah_problem(ctx.run_dir, flags.out))
     if "hd-compute" in flags.suites:  # loss against training FLOPs (--suite hd-compute, or all)
         from lab import compute
-        drawn.append(compute.plot(summary, flags.out))
+        drawn.append(compute.plot(summary, flags.out, flags.preset.hd_ns))
     log("figures: " + ", ".join(str(f) for f in drawn if f))
     if flags.smoke and (ctx.run_dir / "ckpt").is_dir():
         shutil.rmtree(ctx.run_dir / "ckpt")

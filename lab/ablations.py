@@ -53,7 +53,7 @@ def claims(preset):
             + protocols.tah_claims(TAH_HIDDEN_EFFECTS, HIDDEN) + router_claims(TAH_HIDDEN_EFFECTS, HIDDEN)
             + inside.tah_claims(TAH_HIDDEN_EFFECTS.inside, HIDDEN)
             + protocols.tah_claims(TAH_ADD_EFFECTS, ADDITION_TASK) + [attention_claim("tah-add", ADDITION_TASK)]
-            + MOE_CLAIMS + HD_PROG_CLAIMS + TAH3_CLAIMS + compute.CLAIMS)
+            + MOE_CLAIMS + HD_PROG_CLAIMS + TAH3_CLAIMS + compute.claims(preset.hd_ns))
 
 
 # -----------------------------------------------------------------------------

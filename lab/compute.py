@@ -103,15 +103,17 @@ def looped_arm(k):
 
 
 def hd_compute(preset, ctx, seed, data):
-    """The n = 1 backbone, then from it on the same batches: n = 1, 2, 4 continued; n = 1 for 2x
-    and 4x the steps; n = 1 looped x2 and x4. Each arm's held-out loss and accuracy, and its FLOPs."""
+    """The n = 1 backbone, then from it on the same batches, for each k of --hd_ns past 1 (2, 4):
+    n = k continued (and n = 1, the control); n = 1 for k x the steps; n = 1 looped x k. Each arm's
+    held-out loss and accuracy, and its FLOPs."""
     base = protocols.hd_backbone(preset, ctx, seed, data, "hd-compute")
     stage = protocols.continuation(preset)
     after_base = dict(first_batch=preset.hd_base_iters)
-    arms = [(streams_arm(n), expand_streams(base, n), stage) for n in (1, 2, 4)]
+    ks = preset.hd_ns[1:]
+    arms = [(streams_arm(n), expand_streams(base, n), stage) for n in preset.hd_ns]
     arms += [(steps_arm(k), expand_streams(base, 1), Stage(k * stage.steps, stage.lr, warmup=stage.warmup,
-                                                         batch=stage.batch, block=stage.block)) for k in (2, 4)]
-    arms += [(looped_arm(k), Looped(expand_streams(base, 1), k), stage) for k in (2, 4)]
+                                                         batch=stage.batch, block=stage.block)) for k in ks]
+    arms += [(looped_arm(k), Looped(expand_streams(base, 1), k), stage) for k in ks]
     rows = []
     for arm, model, arm_stage in arms:
         model = model.to(ctx.device)
@@ -125,23 +127,23 @@ def loss_claim(name, arm, baseline):
     return Claim(name, HD_COMPUTE, arm, baseline=baseline, metric="loss", sign=-1)
 
 
-CLAIMS = [
-    loss_claim("HD compute: n=4 beats n=1 looped x4 (equal compute, parameters and tokens)", streams_arm(4),
-               looped_arm(4)),
-    loss_claim("HD compute: n=4 beats n=1 for 4x the steps (equal compute and parameters, 4x the tokens)",
-               streams_arm(4), steps_arm(4)),
-    loss_claim("HD compute: n=2 beats n=1 looped x2 (equal compute, parameters and tokens)", streams_arm(2),
-               looped_arm(2)),
-    loss_claim("HD compute: n=2 beats n=1 for 2x the steps (equal compute and parameters, 2x the tokens)",
-               streams_arm(2), steps_arm(2)),
-]
-
-WAYS = {"more streams (HD)": [N1, streams_arm(2), streams_arm(4)],  # the figure's three lines, each from n = 1
-        "more data (steps)": [N1, steps_arm(2), steps_arm(4)],
-        "looping (recurrent depth)": [N1, looped_arm(2), looped_arm(4)]}
+def claims(ns):
+    """HD n = k against the looped and the longer n = 1 arms, for each k of --hd_ns past 1, the largest first."""
+    return [c for k in reversed(ns[1:]) for c in (
+        loss_claim(f"HD compute: n={k} beats n=1 looped x{k} (equal compute, parameters and tokens)", streams_arm(k),
+                   looped_arm(k)),
+        loss_claim(f"HD compute: n={k} beats n=1 for {k}x the steps (equal compute and parameters, {k}x the tokens)",
+                   streams_arm(k), steps_arm(k)))]
 
 
-def plot(summary, out_dir):
+def ways(ns):
+    """The figure's three lines, each from the n = 1 control."""
+    return {"more streams (HD)": [N1] + [streams_arm(k) for k in ns[1:]],
+            "more data (steps)": [N1] + [steps_arm(k) for k in ns[1:]],
+            "looping (recurrent depth)": [N1] + [looped_arm(k) for k in ns[1:]]}
+
+
+def plot(summary, out_dir, ns):
     """What HD's compute buys (lab/compute.py): held-out loss against the continuation's training
     FLOPs, a marker per arm (mean ± std over seeds), the three ways of spending compute as three
     lines from the n = 1 control."""
@@ -153,7 +155,7 @@ def plot(summary, out_dir):
     if not pts or plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for way, arms in WAYS.items():
+    for way, arms in ways(ns).items():
         have = [a.label for a in arms if a.label in pts]
         x = [pts[a][FLOPS][0] for a in have]
         (y, dy) = zip(*[pts[a]["loss"] for a in have])

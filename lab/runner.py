@@ -30,8 +30,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import tasks
 from lab import startup
 from lab.files import load_rows, save_rows
+from lab.tokens import load_bpe
 from trainer import Context, log
 
 MAX_SEED0 = (2**63 - 1 - 2 * 10**9) // 1_000_003 - 10**6  # room for 10^6 seeds and 10^9 steps
@@ -218,6 +220,11 @@ def parse_flags(argv, *, doc, presets, suites, headline, text_suites, check):
     if problem := check(preset, device=a.device, suites=names, text_suites=text_suites, world=WORLD, accum=a.accum,
                         sharing=min(jobs, len(names) * preset.seeds)):
         ap.error(problem)
+    if a.data:  # read, tokenized and long enough for the block before the run's folder is made
+        try:
+            tasks.check_splits(len(load_bpe().encode_ordinary(tasks.read_data(a.data))), preset.block)
+        except ValueError as e:
+            ap.error(str(e))
     seeds, split = range(a.seed0, a.seed0 + preset.seeds), "dev" if a.dev else "val"
     ctx = Context(Path(), device=a.device, seeds=seeds, eval_split=split, eval_seed=EVAL_SEED[split],
                   ablations=a.suite == "all" or a.smoke, muon=a.muon, accum=a.accum, compile=a.compile,

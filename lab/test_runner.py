@@ -343,6 +343,11 @@ def test_jobs_default_to_the_cores_per_thread_and_refuse_torchrun(monkeypatch, c
     (["--seed0", "100000000000000"], "--seed0 must be >= 0 and at most"),
     (["--seed0", str(2**64)], "--seed0 must be >= 0 and at most"),
     (["--seed0", "1e30"], "invalid int value"),
+    # --suite hd-compute: its longest stage (n = 1 for max(--hd_ns) x the steps) and its arms' sizes
+    (["--suite", "hd-compute", "--hd_cont_iters", "1000000"], "continues n = 1 for 4x --hd_cont_iters"),
+    (["--suite", "hd-compute", "--hd_ns", "1,2,8", "--hd_cont_iters", "200000"], "8 x 200,000 steps"),
+    (["--suite", "hd-compute", "--hd_ns", "1,2", "--batch", "937", "--jobs", "1"], "needs ~"),
+    (["--suite", "hd-compute", "--hd_ns", "1,2,16", "--batch", "200", "--jobs", "1"], "needs ~"),
 ])
 def test_bad_arguments_exit_with_one_clear_message(argv, words, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
@@ -368,7 +373,7 @@ def block_path(path, as_folder):
 
 @pytest.mark.parametrize("case", ["out under a file", "rows.json a folder", "run folder a file", "ckpt a file",
                                   "token cache a folder", "data unreadable", "disk full"])
-def test_file_system_errors_stop_with_one_line(case, tmp_path, monkeypatch):
+def test_file_system_errors_stop_with_one_line(case, tmp_path, monkeypatch, capsys):
     """Each file-system error gets one line (no traceback) from the one boundary in main."""
     argv = ["--preset", "smoke", "--suite", "moe", "--out", str(tmp_path)]  # keeps its checkpoints, unlike --smoke
     tt.main(argv)  # a finished run to spoil
@@ -397,9 +402,11 @@ def test_file_system_errors_stop_with_one_line(case, tmp_path, monkeypatch):
         shutil.rmtree(run / "ckpt")
         monkeypatch.setattr(files, "atomic", lambda path, write: (_ for _ in ()).throw(OSError(
             28, "No space left on device", str(path))))
-    with pytest.raises(SystemExit, match="^error: ") as e:
+    with pytest.raises(SystemExit, match="^(error: |2$)") as e:  # unreadable --data: refused with the flags (2)
         tt.main(argv)
     assert "\n" not in str(e.value.code)
+    if case == "data unreadable":
+        assert e.value.code == 2 and "cannot be read (Permission denied)" in capsys.readouterr().err
 
 
 def test_non_utf8_paths_and_a_non_numeric_port_are_refused(capsys):
@@ -442,12 +449,14 @@ def test_rank_without_world_size_is_one_clear_error():
 
 @pytest.mark.parametrize("content, words", [(b"", "empty"), (b"\x00\x01\x02binary\x00" * 50, "binary"),
                                             (b"\xff\xfe\xfa" * 50, "not UTF-8"), (b"Too short.", "too short")])
-def test_bad_data_files_fail_before_any_training(tmp_path, content, words):
+def test_bad_data_files_fail_before_any_folder_is_made(tmp_path, content, words, capsys):
+    """--data read, decoded and tokenized with the flags: one line, and no --out folder left behind."""
     f = tmp_path / "d.txt"
     f.write_bytes(content)
-    with pytest.raises(SystemExit, match=words):
+    with pytest.raises(SystemExit) as e:
         tt.main(["--smoke", "--suite", "moe", "--data", str(f), "--out", str(tmp_path / "out")])
-    assert not list((tmp_path / "out").glob("run-*/ckpt/*.pt"))  # nothing trained
+    assert e.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_damaged_or_foreign_checkpoint_gives_one_line_naming_the_file(tmp_path):
