@@ -124,8 +124,8 @@ def read_run(out):
     that is no trained run of train_tiny.py's to sample from."""
     path = out / "results.json"
     why = f"error: {path} is missing or not the results of a train_tiny.py run: run python train_tiny.py --out {out}"
-    if (problem := readable(path, "results", MAX_RESULTS_BYTES)) and path.exists():
-        raise SystemExit(f"error: {problem}")
+    if problem := readable(path, "results", MAX_RESULTS_BYTES):
+        raise SystemExit(f"{why} ({problem})")
     try:
         results = json.loads(path.read_bytes().decode("utf-8"))
         given = {k: tuple(v) if isinstance(v, list) else v for k, v in results["preset"].items()}

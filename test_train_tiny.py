@@ -5,8 +5,10 @@ verdict rule. The machinery around them (flags, processes, files) is specified i
 
 import copy
 import json
+import os
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -518,6 +520,66 @@ def test_sample_prints_text_from_the_hd_model_and_a_problem_answered_by_tah(tmp_
     assert "HD n = 4 (run-" in out and "40 tokens after a held-out prompt of 16" in out
     answers = [line for line in out.splitlines() if " -> =" in line]
     assert len(answers) == tt.PRESETS["smoke"].queries and all("pass" in a for a in answers), out
+
+
+def test_sample_refuses_a_folder_it_cannot_use_in_one_line_naming_the_file(tmp_path, monkeypatch):
+    """After a run, each file spoiled in turn (and restored): a checkpoint of another preset (its
+    checksum valid), a folder, unreadable, far larger than a run writes, another arm's (TaH's stage
+    1 in the decider's place), a FIFO (never opened: it would block); results.json too large or a
+    FIFO; the --data file the run names gone. Each: one line naming the file, before any model runs."""
+    import sample
+    from lab.files import load_checkpoint, write_checkpoint
+    tt.main(["--preset", "smoke", "--suite", "hd,tah", "--seeds", "1", "--jobs", "1", "--out", str(tmp_path)])
+    run = next(tmp_path.glob("run-*"))
+    hd, decider = run / "ckpt" / "hd_n_4_continued_s0.pt", run / "ckpt" / "tah_TaH_stage_2_decider_s0.pt"
+    results = tmp_path / "results.json"
+
+    def refused(words, target):
+        with pytest.raises(SystemExit) as e:
+            sample.main(["--out", str(tmp_path), "--tokens", "4"])
+        said = str(e.value.code)
+        assert words in said and str(target) in said and "\n" not in said, said
+
+    for ckpt in (hd, decider):
+        saved = ckpt.read_bytes()
+        state = load_checkpoint(ckpt)
+        k = next(iter(state["model"]))
+        state["model"][k] = torch.zeros(*state["model"][k].shape[:-1], state["model"][k].shape[-1] + 1)
+        write_checkpoint(ckpt, state)  # another preset's shapes, its checksum valid
+        refused("does not fit the run's preset", ckpt)
+        ckpt.unlink()
+        ckpt.mkdir()
+        refused("is a folder", ckpt)
+        ckpt.rmdir()
+        os.mkfifo(ckpt)
+        refused("is not a regular file", ckpt)  # checked before any open: a FIFO would block
+        ckpt.unlink()
+        with open(ckpt, "wb") as f:
+            f.truncate(10**10)  # sparse: 10 GB that no run writes for this model
+        refused("more than any run writes", ckpt)
+        ckpt.write_bytes(saved)
+        real = Path.read_bytes
+        monkeypatch.setattr(Path, "read_bytes", lambda p: (_ for _ in ()).throw(PermissionError(
+            13, "Permission denied", str(p))) if p == ckpt else real(p))
+        refused("cannot be read (Permission denied)", ckpt)
+        monkeypatch.undo()
+    saved = decider.read_bytes()
+    decider.write_bytes((run / "ckpt" / "tah_TaH_stage_1_s0.pt").read_bytes())
+    refused("is not 'tah/TaH stage 2 (decider)', seed 0", decider)
+    decider.write_bytes(saved)
+    doc = results.read_text()
+    results.write_text(json.dumps({**json.loads(doc), "data": str(tmp_path / "gone.txt")}))
+    refused("no --data file the run trained on", tmp_path / "gone.txt")
+    results.unlink()
+    with open(results, "wb") as f:
+        f.truncate(sample.MAX_RESULTS_BYTES + 1)
+    refused("more than any run writes", results)
+    results.unlink()
+    os.mkfifo(results)
+    refused("is not a regular file", results)
+    results.unlink()
+    results.write_text(doc)
+    sample.main(["--out", str(tmp_path), "--tokens", "4"])  # restored: it samples
 
 
 @pytest.mark.parametrize("kw, says", [

@@ -67,8 +67,9 @@ def compact_tokens(text, cache=None):
 def read_token_cache(cache, text=None):
     """(vocab, tokens) from a token cache, or None (said in one line) if it is damaged or another
     text's, so that the text is tokenized again; a cache path that is a folder stops the run."""
-    if Path(cache).is_dir():
-        raise SystemExit(f"error: the token cache {cache} is a folder; remove it, or choose another --out")
+    if not Path(cache).is_file():  # a folder, or a FIFO that would block the reading
+        raise SystemExit(f"error: the token cache {cache} is {'a folder' if Path(cache).is_dir() else 'not a regular file'}"
+                         f"; remove it, or choose another --out")
     try:
         with np.load(cache) as z:
             tokens, vocab, digest, source = z["tokens"], z["vocab"], z["sha256"].tobytes(), str(z["text"])
