@@ -104,3 +104,17 @@ def test_looped_refuses_what_it_cannot_loop():
     for caches in ([None], [None] * 3, "caches"):
         with pytest.raises(ValueError, match="one generate.make_caches per pass: 2 of them"):
             compute.Looped(model, 2)(idx, caches=caches)
+
+
+def test_the_suite_trains_the_arms_of_hd_ns_and_judges_their_claims(tmp_path):
+    """--hd_ns 1,3: the arms n = 1, n = 3, n = 1 for 3x the steps, n = 1 looped x3, and no other
+    (the default's 2 and 4 are not trained unseen); a claim for k = 3 against each."""
+    import json
+    import train_tiny as tt
+    tt.main(["--smoke", "--suite", "hd-compute", "--hd_ns", "1,3", "--seeds", "1", "--jobs", "1",
+             "--hd_base_iters", "2", "--hd_cont_iters", "2", "--out", str(tmp_path)])
+    rows = json.loads(next(tmp_path.glob("run-*/rows.json")).read_text())["rows"]
+    arms = {r["arm_id"] for r in rows if r["suite"] == "hd-compute"}
+    assert arms == {"n1-continued", "n3-continued", "n1-steps3", "n1-looped3"}, arms
+    said = {v["claim"] for v in json.loads((tmp_path / "results.json").read_text())["verdicts"]}
+    assert {c.name for c in compute.claims((1, 3))} <= said and not any("n=4" in c or "x4" in c for c in said), said
