@@ -867,16 +867,16 @@ def compiled_against_eager(width, repeats, device="cuda", steps=30, B=8, L=256, 
     (le, _, _), (lc, _, _) = (run(seeds[0], c, steps, torch.float32) for c in (False, True))
     drift = [abs(a - b) / abs(a) for a, b in zip(le, lc)]
     print(f"(ii) {steps} steps, float32: largest loss difference {max(drift):.2%} (at step {drift.index(max(drift)) + 1})")
-    rows, means = [], []
+    means = []  # each seed's row printed as it finishes: a run cut at its limit keeps the seeds it had
+    show(f"(iii) {steps} steps in bf16 autocast, each seed its own init and batches: (compiled - eager) / eager loss",
+         [], ["seed", "mean", "largest", "eager step (ms)", "compiled step (ms)", "eager / compiled"])
     for seed in seeds:
         (le, _, te), (lc, _, tc) = (run(seed, c, steps + repeats, torch.bfloat16) for c in (False, True))
         diff = [(b - a) / a for a, b in zip(le[:steps], lc[:steps])]
         means.append(statistics.mean(diff))
         e_ms, c_ms = (statistics.median(t[-repeats:]) * 1e3 for t in (te, tc))
-        rows.append([seed, f"{means[-1]:+.3%}", f"{max(map(abs, diff)):.3%}", f"{e_ms:.1f}", f"{c_ms:.1f}",
-                     f"{e_ms / c_ms:.2f}x"])
-    show(f"(iii) {steps} steps in bf16 autocast, each seed its own init and batches: (compiled - eager) / eager loss",
-         rows, ["seed", "mean", "largest", "eager step (ms)", "compiled step (ms)", "eager / compiled"])
+        print(f"| {seed} | {means[-1]:+.3%} | {max(map(abs, diff)):.3%} | {e_ms:.1f} | {c_ms:.1f} | {e_ms / c_ms:.2f}x |",
+              flush=True)
     sd = statistics.stdev(means) if len(means) > 1 else float("inf")
     one_way = len({m > 0 for m in means}) == 1 and abs(statistics.mean(means)) > max(2 * sd, tol)  # tol: ties
     print(f"bf16: mean {statistics.mean(means):+.3%} ± {sd:.3%} over {len(means)} seeds -> "

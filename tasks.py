@@ -74,50 +74,34 @@ class TextData:
 def text_data(text, cache_dir, tag):
     """TextData cached under a name keyed by the text's content."""
     key = text_key(text)[:12]
-    return TextData(text, Path(cache_dir) / f"{tag}_cl100k_{key}.npz")
+    return TextData(text, None if cache_dir is None else Path(cache_dir) / f"{tag}_cl100k_{key}.npz")
+
+
+MAX_DATA_BYTES = 2**30  # --data: far past what these models train on (the default run's Shakespeare: 0.7 MB)
 
 
 def load_text(path, plays, block, cache_dir):
     """The text the hd and moe suites train on: the UTF-8 file at path, or the Shakespeare plays;
-    each split must hold a block + 2 tokens."""
-    try:
-        text = shakespeare(cache_dir, plays) if path is None else text_data(read_data(path), cache_dir, Path(path).stem)
-        check_splits(len(text.tokens), block)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}")
-    return text
-
-
-MAX_DATA_BYTES = 2**30  # --data: far past what these models train on (the Shakespeare of the default run: 0.7 MB)
-
-
-def read_data(path):
-    """The text of --data: a regular file of UTF-8 text (not binary, not empty) of at most
-    MAX_DATA_BYTES; else ValueError, one line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--data {path}: " + ("it is a folder" if path.is_dir() else "no such file" if not
-                                               path.exists() else "not a regular file"))
-    if path.stat().st_size > MAX_DATA_BYTES:
-        raise ValueError(f"--data {path} holds {path.stat().st_size:,} bytes, more than {MAX_DATA_BYTES:,}")
-    try:
-        content = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"--data {path} is not UTF-8 text")
-    except OSError as e:
-        raise ValueError(f"--data {path} cannot be read ({e.strerror or e})")
-    if "\x00" in content or not content.strip():
-        raise ValueError(f"--data {path} is " + ("binary" if content.strip() else "empty"))
-    return content
-
-
-def check_splits(tokens, block):
-    """Each split of a text of `tokens` tokens (TextData's 90/5/5) holds a block + 2 tokens; else ValueError."""
-    a, b, need = int(0.9 * tokens), int(0.95 * tokens), block + 2
-    short = {k: n for k, n in (("train", a), ("dev", b - a), ("val", tokens - b)) if n < need}
+    each split must hold a block + 2 tokens. cache_dir None: no token cache (a check of --data)."""
+    if path is None:
+        text = shakespeare(cache_dir, plays)
+    else:
+        if not Path(path).is_file() or Path(path).stat().st_size > MAX_DATA_BYTES:  # a FIFO would block the reading
+            raise SystemExit(f"error: --data {path} is not a regular file of at most {MAX_DATA_BYTES:,} bytes")
+        try:
+            content = Path(path).read_bytes().decode("utf-8")
+        except (UnicodeDecodeError, OSError) as e:
+            raise SystemExit(f"error: --data {path} " + (f"cannot be read ({e.strerror})" if isinstance(e, OSError)
+                                                         else "is not UTF-8 text"))
+        if "\x00" in content or not content.strip():
+            raise SystemExit(f"error: --data {path} is " + ("binary" if content.strip() else "empty"))
+        text = text_data(content, cache_dir, Path(path).stem)
+    need = block + 2
+    short = {k: len(v) for k, v in text.split.items() if len(v) < need}
     if short:
-        raise ValueError(f"the text is too short: its splits have {short} tokens, each needs at least {need} "
-                         f"(block {block} + 2); give a longer --data")
+        raise SystemExit(f"error: the text is too short: its splits have {short} tokens, each needs at least "
+                         f"{need} (block {block} + 2); give a longer --data")
+    return text
 
 
 def shakespeare(cache_dir, plays):

@@ -119,9 +119,9 @@ def main(argv=None):
         for suite in flags.suites:
             for seed in flags.seeds:
                 jobs.train(train_seed, suite=suite, seed=seed, data=task(suite, preset, text))
-        rows = jobs.wait()
-        if flags.master:  # under torchrun, rank 0
-            write_report(flags, jobs.ctx, rows, time.time() - started)
+        jobs.wait()
+    if flags.master:  # under torchrun, rank 0; after SIGTERM (a time limit), the report of what finished
+        write_report(flags, jobs.ctx, jobs.rows, time.time() - started, stopped=jobs.stopped)
 
 
 def task(suite, preset, text):
@@ -172,17 +172,19 @@ def say_what_runs(flags, text):
         log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}")
 
 
-def write_report(flags, ctx, rows, seconds):
+def write_report(flags, ctx, rows, seconds, stopped=None):
     """results.md and results.json from the rows alone, every claim judged by the rule
-    (protocols.judge); then the figures."""
+    (protocols.judge); then the figures. stopped: the run was stopped (SIGTERM), the report partial."""
     eval_set = "dev" if ctx.eval_split == "dev" else "held-out"
     header = (f"Measured by `{flags.command}` on {flags.machine}, {flags.preset.seeds} seed(s), evaluated on the "
-              f"{eval_set} set; {seconds:.0f} s for this invocation.")
+              f"{eval_set} set; {seconds:.0f} s for this invocation.") + (f"\n\n**Partial: {stopped}**" if stopped else "")
     meta = {"preset": asdict(flags.preset), "run": ctx.run_dir.name, "data": flags.data, "device": flags.machine,
-            "world_size": flags.world, "eval_set": ctx.eval_split}
+            "world_size": flags.world, "eval_set": ctx.eval_split, "partial": stopped}
     kept = {ctx.run_dir / "inside" / name: title for name, title in {**inside.HD_INSIDE_MD, **inside.TAH_INSIDE_MD}.items()}
     summary = report.write_report(rows, protocols.judge(rows, claims(flags)), flags.out, header=header,
                                   rule=protocols.RULE, meta=meta, inside=kept, first_seed=ctx.seeds[0], brief=flags.smoke)
+    if stopped:
+        raise SystemExit(f"{stopped}: results.md holds what finished, marked partial; run the same command to go on")
     drawn = [figures.plot(figures.loss_curves(ctx.run_dir), flags.out)]
     if "hd" in flags.suites:
         drawn.append(inside.plot_hd_streams(summary, flags.out, flags.preset.hd_ns))

@@ -49,23 +49,11 @@ def check_preset(preset, *, device="cpu", suites=(), text_suites=(), world=1, ac
         if getattr(preset, batch_field) < world * accum:
             return f"--{batch_field} {getattr(preset, batch_field)} has fewer rows than {world} rank(s) x {accum} micro-step(s) " \
                    "(--accum)"
-    if "hd-compute" in suites and (problem := check_compute_arms(preset, device, sharing)):
-        return problem
+    if "hd-compute" in suites:  # its arms beyond HD's: a longer stage, the looped model
+        from lab import compute
+        if problem := compute.check_arms(preset, TEXT_VOCAB, device, sharing):
+            return problem
     return check_models(preset, device, sharing)
-
-
-def check_compute_arms(preset, device, sharing):
-    """--suite hd-compute's arms beyond HD's (lab/compute.py): n = 1 for k x the continuation's steps
-    and n = 1 looped x k, for the largest k of --hd_ns: its longest stage and its largest model."""
-    k = max(preset.hd_ns)
-    if k * preset.hd_cont_iters > MAX_STEPS:
-        return (f"--suite hd-compute continues n = 1 for {k}x --hd_cont_iters ({k} x {preset.hd_cont_iters:,} steps), "
-                f"past the {MAX_STEPS:,} steps a stage may take: lower --hd_cont_iters or --hd_ns")
-    try:  # looped x k keeps what a batch of k x --batch sequences keeps
-        check_fits(hd_config(preset, TEXT_VOCAB, 1), k * preset.batch, training=True, device=device, sharing=sharing)
-    except ValueError as e:
-        return f"--suite hd-compute's n = 1 looped x{k}: {e} (--batch {preset.batch})"
-    return None
 
 
 def check_models(preset, device, sharing=1):

@@ -33,7 +33,6 @@ import torch.distributed as dist
 import tasks
 from lab import startup
 from lab.files import load_rows, save_rows
-from lab.tokens import load_bpe
 from trainer import Context, log
 
 MAX_SEED0 = (2**63 - 1 - 2 * 10**9) // 1_000_003 - 10**6  # room for 10^6 seeds and 10^9 steps
@@ -222,9 +221,9 @@ def parse_flags(argv, *, doc, presets, suites, headline, text_suites, check):
         ap.error(problem)
     if a.data:  # read, tokenized and long enough for the block before the run's folder is made
         try:
-            tasks.check_splits(len(load_bpe().encode_ordinary(tasks.read_data(a.data))), preset.block)
-        except ValueError as e:
-            ap.error(str(e))
+            tasks.load_text(a.data, (), preset.block, cache_dir=None)
+        except SystemExit as e:
+            ap.error(str(e.code).removeprefix("error: "))
     seeds, split = range(a.seed0, a.seed0 + preset.seeds), "dev" if a.dev else "val"
     ctx = Context(Path(), device=a.device, seeds=seeds, eval_split=split, eval_seed=EVAL_SEED[split],
                   ablations=a.suite == "all" or a.smoke, muon=a.muon, accum=a.accum, compile=a.compile,
@@ -287,6 +286,7 @@ def open_run(flags):
     """The run: torchrun's process group, dynamo's limits, the folder and its rows, the job pool (Jobs).
     On the way out the --jobs processes are waited for, or on an error stopped (Ctrl-C: one line)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Ctrl-C saves what finished, then one line
+    signal.signal(signal.SIGTERM, stop_term)  # a time limit's SIGTERM: stop, and the report of what finished
     stack = contextlib.ExitStack()
     jobs = None
     try:
@@ -301,11 +301,22 @@ def open_run(flags):
     except BaseException as e:
         if jobs is not None:
             jobs.stop()
-        raise one_line(e) from None
+        if not (isinstance(e, Terminated) and jobs is not None):
+            raise one_line(e) from None
+        jobs.stopped = f"stopped by SIGTERM with {len(jobs.todo)} (suite, seed)s of {len(flags.suites) * len(flags.seeds)} left"
     finally:
         stack.close()
     if DDP and dist.is_initialized():
         dist.destroy_process_group()
+
+
+class Terminated(Exception):
+    """SIGTERM (a time limit, `timeout`): the run stops, and its report holds what finished."""
+
+
+def stop_term(sig, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the report is being written
+    raise Terminated()
 
 
 def one_line(e):
@@ -334,7 +345,9 @@ class Jobs:
         done = {(r["suite"], r["seed"]) for r in rows}
         self.todo = [(s, k) for s in flags.suites for k in flags.seeds if (s, k) not in done]
         self.parallel = flags.jobs > 1 and len(self.todo) > 1
-        self.running, self.took, self.t0 = {}, {}, time.time()
+        # inductor's compile workers: a process's share of the cores among the processes that run at once
+        self.workers = max(1, usable_cores() // max(1, min(flags.jobs, len(self.todo))))
+        self.running, self.took, self.t0, self.stopped = {}, {}, time.time(), None
         if self.parallel:
             log(f"{len(self.todo)} (suite, seed)s in {flags.jobs} processes at a time, {flags.threads} thread(s) each"
                 + ("; all at once, so the run's time left comes with the first to finish (till then, each step line "
@@ -351,8 +364,7 @@ class Jobs:
             return self.finished(suite, seed, work(suite, self.flags.preset, self.ctx, seed, data))
         while len(self.running) >= self.flags.jobs:
             self.collect()
-        cores = max(1, usable_cores() // self.flags.jobs)  # the process's share, for inductor's compile workers
-        job = (work, suite, self.flags.preset, self.ctx, seed, data, self.flags.threads, cores)
+        job = (work, suite, self.flags.preset, self.ctx, seed, data, self.flags.threads, self.workers)
         process = multiprocessing.get_context("spawn").Process(target=in_process, args=(self.results, job), daemon=True)
         self.running[suite, seed] = (time.time(), process)
         with ctrl_c_deferred():  # Ctrl-C stops the parent (never lost), which stops the processes

@@ -133,6 +133,14 @@ def test_a_worker_stopped_by_an_error_hands_its_one_line_to_the_parent():
     assert results.get_nowait() == ("moe", 4, 3)  # inductor's compile workers: the process's share of the cores
 
 
+@pytest.mark.parametrize("cores, jobs, todo, workers", [(16, 16, 10, 1), (16, 4, 10, 4), (16, 16, 2, 8), (2, 2, 1, 2)])
+def test_compile_workers_are_the_cores_shared_by_the_processes_that_start(cores, jobs, todo, workers, monkeypatch):
+    """16 cores, --jobs 16 and 10 (suite, seed)s: 10 processes start, 1 worker each; 2 of them: 8 each."""
+    monkeypatch.setattr(runner, "usable_cores", lambda: cores)
+    f = flags(["--smoke", "--jobs", str(jobs), "--seeds", str(todo), "--suite", "moe"])
+    assert runner.Jobs(f, f.ctx, []).workers == workers
+
+
 def compile_workers(suite, P, run, seed, data):
     import torch._inductor.config as inductor
     return inductor.compile_threads
@@ -259,6 +267,29 @@ def test_ctrl_c_during_start_up_prints_one_line_and_exits_130(after, tmp_path):
     assert run.returncode == 130, err
     assert err.strip().splitlines() == ["interrupted during start-up: nothing was run or written"], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_sigterm_stops_the_run_and_writes_the_report_of_what_finished_marked_partial(jobs, tmp_path):
+    """A time limit's SIGTERM (timeout, a GPU check's step) once a (suite, seed) has finished: the
+    processes stop, and results.md/.json hold the finished rows, marked partial, before the exit."""
+    out = tmp_path / "out"
+    run = subprocess.Popen([sys.executable, "train_tiny.py", "--smoke", "--suite", "moe,tah", "--seeds", "3", "--jobs",
+                            jobs, "--out", str(out)], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    said = []
+    for line in run.stdout:  # the first (suite, seed) to finish
+        said.append(line)
+        if "finished (1 of 6)" in line:
+            break
+    run.send_signal(signal.SIGTERM)
+    said.append(run.communicate(timeout=60)[0])
+    text = "".join(said)
+    assert run.returncode == 1 and "results.md holds what finished, marked partial" in text, text[-2000:]
+    md, doc = (out / "results.md").read_text(), json.loads((out / "results.json").read_text())
+    assert "**Partial: stopped by SIGTERM with" in md and doc["partial"].startswith("stopped by SIGTERM"), md[:500]
+    rows = json.loads(next(out.glob("run-*/rows.json")).read_text())["rows"]
+    assert 1 <= len({(r["suite"], r["seed"]) for r in rows}) < 6 and "Traceback" not in text
+    assert sum(s["n"] for s in doc["summary"]) >= 1
 
 
 STARTUP_INTERRUPT = """
