@@ -726,6 +726,34 @@ def test_the_training_forward_and_backward_trace_whole_and_equal_eager(kind, kw)
         assert torch.equal(a.step_load, b.step_load)
 
 
+def test_a_block_mask_is_built_once_per_shape_and_reused_by_every_later_forward(monkeypatch):
+    """P4's BlockMask cache: hd.block_mask builds a mask once per (parameters, lengths, device) and
+    hands the same object back (no create_block_mask: ~90 kernels on CUDA); other lengths build
+    their own; past MAX_BLOCK_MASKS the oldest goes; a forward of an attn_impl="flex" model twice
+    builds its masks in the first forward only."""
+    import hd
+    built, real = [], hd.create_block_mask
+    monkeypatch.setattr(hd, "create_block_mask", lambda *a, **kw: built.append(a[3:5]) or real(*a, **kw))
+    monkeypatch.setattr(hd, "BLOCK_MASKS", {})
+    first = hd.block_mask(intra(2), ("I", 2), 8, 8, "cpu")
+    assert hd.block_mask(intra(2), ("I", 2), 8, 8, "cpu") is first and len(built) == 1
+    assert hd.block_mask(intra(2), ("I", 2), 16, 16, "cpu") is not first and len(built) == 2
+    for i in range(hd.MAX_BLOCK_MASKS):
+        hd.block_mask(intra(2), ("I", 2, i), 8, 8, "cpu")
+    assert len(hd.BLOCK_MASKS) == hd.MAX_BLOCK_MASKS and (("I", 2), 8, 8, "cpu") not in hd.BLOCK_MASKS
+    model = HiddenDecoding(HDConfig(vocab_size=61, block_size=16, n_layer=3, n_embd=32, n_head=2, n_kv_head=1,
+                                    head_dim=16, n_experts=0, ffn_hidden=32, n_streams=2, layout="IFL", window=3,
+                                    attn_impl="flex")).eval()
+    idx = torch.randint(61, (1, 6))
+    built.clear()
+    with torch.no_grad():
+        a = model(idx)[0]
+        after_first = len(built)
+        b = model(idx)[0]
+    assert after_first >= 1 and len(built) == after_first
+    torch.testing.assert_close(a, b)
+
+
 if __name__ == "__main__":
     from checks import not_a_script
     not_a_script("test_hd.py", "python -m pytest test_hd.py")

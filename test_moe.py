@@ -243,6 +243,38 @@ def test_auto_dispatch_gathers_a_few_rows_and_sorts_many():
     assert m.dispatch(4096, torch.float64, "cpu") == "loop"  # grouped_mm has no float64
 
 
+@settings(max_examples=60, deadline=None)
+@given(N=st.integers(1, 300), k=st.integers(1, 4), E=st.integers(4, 256))
+def test_a_static_step_takes_gather_while_it_moves_fewer_bytes_on_cuda_and_up_to_128_pairs_on_the_cpu(N, k, E):
+    """P1, the dispatch a compiled or graphed step takes (checks.recorded_step stands for both, on
+    either device): on CUDA gather copies each (token, k) pair's expert, written then read (2 N k
+    experts' bytes), masked reads every expert once (E): gather iff 2 N k < E. On the CPU the
+    weights stay in cache: gather up to moe.COMPILED_GATHER_ROWS pairs."""
+    from checks import recorded_step
+    m = MoE(small_cfg(n_experts=E, top_k=min(k, E)))
+    with recorded_step():
+        on_cuda, on_cpu = m.dispatch(N, torch.float32, "cuda"), m.dispatch(N, torch.float32, "cpu")
+    pairs = N * m.cfg.top_k
+    assert on_cuda == ("gather" if 2 * pairs < E else "masked")
+    assert on_cpu == ("gather" if pairs <= moe.COMPILED_GATHER_ROWS else "masked")
+
+
+def test_knorm_runs_with_its_weight_in_the_keys_dtype_under_autocast(monkeypatch):
+    """P4: under bf16 autocast the keys come out of k_proj in bf16; rms_norm is handed KNorm's weight
+    in bf16 too (a float32 weight beside bf16 keys unfuses rms_norm on CUDA), every layer."""
+    seen, real = [], F.rms_norm
+    model = Transformer(small_cfg(head_dim=8, n_embd=32))
+
+    def rms_norm(x, shape, w=None, eps=None):
+        if tuple(shape) == (8,):  # KNorm: over head_dim
+            seen.append((x.dtype, w.dtype))
+        return real(x, shape, w, eps)
+    monkeypatch.setattr(moe.F, "rms_norm", rms_norm)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        model(torch.randint(61, (2, 8)))
+    assert len(seen) == model.cfg.n_layer and all(x == w == torch.bfloat16 for x, w in seen), seen
+
+
 def test_bias_changes_selection_never_weights():
     torch.manual_seed(0)
     m = MoE(small_cfg(n_experts=4, top_k=1))
