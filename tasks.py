@@ -90,9 +90,8 @@ def load_text(path, plays, block, cache_dir):
             raise SystemExit(f"error: --data {path} is not a regular file of at most {MAX_DATA_BYTES:,} bytes")
         try:
             content = Path(path).read_bytes().decode("utf-8")
-        except (UnicodeDecodeError, OSError) as e:
-            raise SystemExit(f"error: --data {path} " + (f"cannot be read ({e.strerror})" if isinstance(e, OSError)
-                                                         else "is not UTF-8 text"))
+        except UnicodeDecodeError:
+            raise SystemExit(f"error: --data {path} is not UTF-8 text")
         if "\x00" in content or not content.strip():
             raise SystemExit(f"error: --data {path} is " + ("binary" if content.strip() else "empty"))
         text = text_data(content, cache_dir, Path(path).stem)

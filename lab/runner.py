@@ -143,11 +143,9 @@ def parser(doc, presets, suites, headline):
     arg("--ckpt_every", type=int, default=50, help="steps between checkpoints (default: 50)")
     arg("--device", default="cuda" if torch.cuda.is_available() else "cpu",
         help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
-    arg("--threads", type=int, default=1, help="CPU threads per process (default: 1); float sums, and so the "
-        "last digits, depend on it (the README's runs used 1)")
-    arg("--jobs", type=int, help="(suite, seed)s trained at once, each in a process of its own; the numbers do not "
-        "depend on it (default: the usable cores // --threads, on a GPU too; under torchrun 1); --jobs 1: all in "
-        "this one process, where breakpoint() works")
+    arg("--threads", type=int, default=1, help="CPU threads per process (default: 1; float sums' last digits vary with it)")
+    arg("--jobs", type=int, help="(suite, seed)s trained at once, a process each; no number depends on it (default: the "
+        "usable cores // --threads, on a GPU too; torchrun: 1; 1: all in this process, where breakpoint() works)")
     arg("--seed0", type=int, default=0, help="the first seed: a run trains seeds seed0 .. seed0 + seeds - 1 (default: 0)")
     arg("--fresh", action="store_true", help="delete this configuration's checkpoints and rows first, and train anew")
     arg("--dev", action="store_true", help="evaluate on the dev set instead of the held-out set: for trying things out")
@@ -222,8 +220,9 @@ def parse_flags(argv, *, doc, presets, suites, headline, text_suites, check):
     if a.data:  # read, tokenized and long enough for the block before the run's folder is made
         try:
             tasks.load_text(a.data, (), preset.block, cache_dir=None)
-        except SystemExit as e:
-            ap.error(str(e.code).removeprefix("error: "))
+        except (SystemExit, OSError) as e:
+            ap.error(f"--data {a.data} cannot be read ({e.strerror})" if isinstance(e, OSError) else
+                     str(e.code).removeprefix("error: "))
     seeds, split = range(a.seed0, a.seed0 + preset.seeds), "dev" if a.dev else "val"
     ctx = Context(Path(), device=a.device, seeds=seeds, eval_split=split, eval_seed=EVAL_SEED[split],
                   ablations=a.suite == "all" or a.smoke, muon=a.muon, accum=a.accum, compile=a.compile,
@@ -268,16 +267,13 @@ def run_key(flags):
 def open_folder(flags):
     """<out>/run-<key> (made, or emptied with --fresh), swept of a killed run's temporaries: the
     trainer's context with it, and the rows it holds already."""
-    flags.out.mkdir(parents=True, exist_ok=True)
-    for tmp in flags.out.glob("*.tmp"):  # results or a token cache of a run killed mid-write
-        tmp.unlink(missing_ok=True)
     key = run_key(flags)
     run_dir = flags.out / f"run-{key}"
     if flags.fresh and MASTER and run_dir.exists():
         shutil.rmtree(run_dir)
-    run_dir.mkdir(exist_ok=True)
-    for tmp in run_dir.rglob("*.tmp"):  # left by a run killed mid-write
-        tmp.unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for tmp in [*flags.out.glob("*.tmp"), *run_dir.rglob("*.tmp")]:  # results, a token cache, a checkpoint, rows
+        tmp.unlink(missing_ok=True)  # of a run killed mid-write
     return replace(flags.ctx, run_dir=run_dir, run_key=key), load_rows(run_dir / "rows.json", key)
 
 
