@@ -320,6 +320,38 @@ def test_ctrl_c_inside_an_import_during_start_up_ends_the_process(module, tmp_pa
     assert "ran on past" not in run.stdout and not (tmp_path / "out").exists()
 
 
+FIRST_IMPORT_AFTER_GUARD = """
+import runpy, signal, sys
+script = sys.argv.pop(1)
+class Interrupt:  # Ctrl-C at the first import looked for once the start-up handler is in place
+    def find_spec(self, name, path=None, target=None):
+        if getattr(signal.getsignal(signal.SIGINT), "__name__", "") == "interrupted_during_start_up":
+            sys.meta_path.remove(self)
+            signal.raise_signal(signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+sys.argv[0] = script
+runpy.run_path(script, run_name="__main__")
+print("ran on past", script)
+"""
+
+
+def test_ctrl_c_is_caught_from_the_first_lines_of_every_entry_script(tmp_path):
+    """train_tiny.py, sample.py and bench.py install the start-up handler first: importing lab.startup
+    loads nothing but itself, lab and signal (os and sys come with the interpreter), so the window
+    without it is the interpreter's own start-up; and a Ctrl-C at the very next import ends the
+    process with the one line and 130."""
+    run = subprocess.run([sys.executable, "-c", "import sys; before = set(sys.modules); from lab import startup; "
+                          "print(sorted(set(sys.modules) - before))"], cwd=HERE, capture_output=True, text=True)
+    assert eval(run.stdout) == ["lab", "lab.startup", "signal"], run.stdout + run.stderr
+    for script in ("train_tiny.py", "sample.py", "bench.py"):
+        run = subprocess.run([sys.executable, "-c", FIRST_IMPORT_AFTER_GUARD, script, "--out", str(tmp_path / "out")],
+                             cwd=HERE, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 130, (script, run.stderr[-2000:])
+        assert run.stderr.strip().splitlines() == ["interrupted during start-up: nothing was run or written"], run.stderr
+        assert "ran on past" not in run.stdout and not (tmp_path / "out").exists()
+
+
 def test_jobs_default_to_the_cores_per_thread_and_refuse_torchrun(monkeypatch, capsys):
     monkeypatch.setattr(runner, "usable_cores", lambda: 4)
     assert flags(["--smoke"]).jobs == 4
