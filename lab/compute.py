@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import protocols
 from checks import MAX_INT, check_fits, check_tokens, is_int
 from hd import HiddenDecoding, expand_streams
-from lab import figures, flops, presets
+from lab import figures, flops
 from lab.report import Arm, Claim, Effect, result_rows
 from moe import upcast
 from protocols import lm_loss
@@ -123,14 +123,14 @@ def hd_compute(preset, ctx, seed, data):
     return rows
 
 
-def check_arms(preset, vocab, device, sharing):
+def check_arms(preset, *, vocab, max_steps, device, sharing):
     """The preset's check (lab/presets.py) of this suite's arms beyond HD's: n = 1 for k x the
     continuation's steps and n = 1 looped x k, for the largest k of --hd_ns: its longest stage and
-    its largest model (`vocab`: the text's, at most)."""
+    its largest model (`vocab`: the text's, at most; `max_steps`: a stage's)."""
     k = max(preset.hd_ns)
-    if k * preset.hd_cont_iters > presets.MAX_STEPS:
+    if k * preset.hd_cont_iters > max_steps:
         return (f"--suite hd-compute continues n = 1 for {k}x --hd_cont_iters ({k} x {preset.hd_cont_iters:,} steps), "
-                f"past the {presets.MAX_STEPS:,} steps a stage may take: lower --hd_cont_iters or --hd_ns")
+                f"past the {max_steps:,} steps a stage may take: lower --hd_cont_iters or --hd_ns")
     try:  # looped x k keeps what a batch of k x --batch sequences keeps
         check_fits(protocols.hd_config(preset, vocab, 1), k * preset.batch, training=True, device=device, sharing=sharing)
     except ValueError as e:

@@ -51,7 +51,8 @@ def check_preset(preset, *, device="cpu", suites=(), text_suites=(), world=1, ac
                    "(--accum)"
     if "hd-compute" in suites:  # its arms beyond HD's: a longer stage, the looped model
         from lab import compute
-        if problem := compute.check_arms(preset, TEXT_VOCAB, device, sharing):
+        if problem := compute.check_arms(preset, vocab=TEXT_VOCAB, max_steps=MAX_STEPS, device=device,
+                                             sharing=sharing):
             return problem
     return check_models(preset, device, sharing)
 
