@@ -80,7 +80,7 @@ class Looped(nn.Module):
 
 def training_flops(model, stage):
     """The training FLOPs of `stage` on `model` (the formula of this file's docstring)."""
-    return getattr(model, "loops", 1) * flops.per_token(model, stage.block) * stage.steps * stage.batch * stage.block
+    return flops.per_token(model, stage.block) * stage.steps * stage.batch * stage.block
 
 
 HD_COMPUTE = Effect("hd-compute", "HD: the continuation's compute spent three ways (more streams, more data, looping)",

@@ -1,5 +1,23 @@
 """
-Training FLOPs of the models as they run: the step line's MFU on CUDA (trainer.log_step).
+Training FLOPs of the models as they run: the step line's MFU on CUDA (trainer.log_step) and
+--suite hd-compute's compute per arm (lab/compute.py).
+
+The convention is model FLOPs, as nanoGPT's and PaLM's MFU count them: 2 per multiply-add of
+every matmul of the forward, 3x the forward for a training step (the backward's two matmuls per
+forward one); none for embedding lookups, norms, activations, softmax or the optimizer. What is
+counted is what the model runs, not the weights it has:
+
+- each layer's weights on the rows it runs per token: HD's n stream rows, or under the KV-mirror
+  skip the final stream's row only (its K/V projections still on the rows they read: every row
+  for F and L layers, the final stream's for an I layer); top_k of the routed experts plus the
+  shared one (the router on every row); TaH's LoRA adapters on the rows of depth >= 1;
+- attention: 4 x heads x head_dim per (query, key) pair each layer's mask allows (QK^T and AV),
+  counted per letter: F a causal row over the n*t rows up to it, L its window of rows, I its own
+  stream's t + 1 rows (the shared-KV control: 1 + t), only the final-stream queries under the skip;
+  TaH's duo-causal pairs (query (i, d) sees (j, k) for j <= i, k <= d);
+- the LM head on the rows that run it (HD: the final stream's; TaH: every pass's), TaH's
+  next-pass input (the top-k softmax times the embedding table: a (V, C) product per row);
+- a looped model's passes (lab/compute.Looped: the blocks `loops` times, the head once).
 """
 
 if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
@@ -7,21 +25,81 @@ if __name__ == "__main__":  # no script: one line saying what to run (first: by 
     print("lab/flops.py is no script: run python train_tiny.py --suite hd-compute", file=sys.stderr)
     sys.exit(2)
 
+import torch
+
+from hd import attention_path
 from moe import Transformer
 
+KV = ("attn.k_proj", "attn.v_proj")  # the weights a layer runs on its key rows
+CPU = torch.device("cpu")  # where a layer runs does not change whether its streams fold
+ROUTED = ("ffn.w_gate_up", "ffn.w_down")  # the stacked routed experts: top_k of n_experts run per row
 
-def per_token(model, T):
-    """Training FLOPs per token (3x forward): 6 per weight a row passes through (top_k of the
-    routed experts, no embedding lookups) plus attention's, times the rows a token becomes (HD: n;
-    TaH: the first pass only)."""
-    body = model if isinstance(model, Transformer) else model.backbone
+
+def per_token(model, T, passes=1):
+    """One training step's FLOPs per token of `model` on sequences of T tokens, as it runs (the
+    convention above). passes: TaH's passes per token (1 Standard, 2 AlwaysThink; between, the
+    share of tokens a second pass runs, its attention pairs as if those tokens were spread evenly)."""
+    return sum(parts(model, T, passes).values())
+
+
+def parts(model, T, passes=1):
+    """per_token in two parts: "weights" (every matmul with a weight, the head included) and
+    "attention" (the mask's pairs), training FLOPs per token each."""
+    inner = getattr(model, "model", model)  # lab/compute.Looped wraps the model it loops
+    loops = getattr(model, "loops", 1)
+    body = inner if isinstance(inner, Transformer) else inner.backbone
     cfg = body.cfg
+    if hasattr(cfg, "max_depth"):
+        return {k: 3 * v for k, v in tah_forward(body, cfg, T, passes).items()}
     n = getattr(cfg, "n_streams", 1)
-    per_row = 0
-    for name, p in body.named_parameters():
-        if "wte" in name or p.ndim < 2:
-            continue
-        share = cfg.top_k / cfg.n_experts if name.endswith(("w_gate_up", "w_down")) else 1.0
-        per_row += share * p.numel()
-    attention = 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * (n * T) / 2
-    return n * (6 * per_row + attention)
+    skip = inner.mirror_skip_from() if hasattr(inner, "mirror_skip_from") else None
+    matmuls, attention = 0.0, 0.0
+    for i, block in enumerate(body.blocks):
+        final_only = skip is not None and i >= skip
+        folded = final_only and attention_path(cfg, i, True, CPU) == "fold"  # an I layer's streams run apart:
+        kv_rows = 1 if folded else n  # its keys, the final stream's own
+        matmuls += weights(block, cfg, 1 if final_only else n, kv_rows)
+        attention += 4 * cfg.n_head * cfg.head_dim * pairs(cfg, i, n, T, final_only) / T
+    head = 2 * body.lm_head.weight.numel() * (n if getattr(cfg, "objective", "final") == "all" else 1)
+    return {"weights": 3 * (loops * matmuls + head), "attention": 3 * loops * attention}
+
+
+def weights(block, cfg, q_rows, kv_rows, lora_rows=0):
+    """A block's forward FLOPs per token from its weights: 2 per weight on each row that runs it."""
+    total = 0.0
+    for name, p in block.named_parameters():
+        if p.ndim < 2:
+            continue  # norms
+        if name.endswith((".A", ".B")):  # TaH's LoRA adapter: the rows of depth >= 1
+            total += 2 * p.numel() * lora_rows
+        elif name.startswith(ROUTED):
+            total += 2 * p.numel() * cfg.top_k / cfg.n_experts * q_rows
+        else:
+            total += 2 * p.numel() * (kv_rows if name.startswith(KV) else q_rows)
+    return total
+
+
+def pairs(cfg, i, n, T, final_only):
+    """(query, key) pairs layer i's mask allows over T tokens of n streams, by its letter."""
+    rows = range(n - 1, n * T, n) if final_only else range(n * T)
+    kind = cfg.layout[i] if hasattr(cfg, "layout") else "F"
+    if kind == "F":
+        return sum(r + 1 for r in rows)
+    if kind == "L":
+        return sum(min(r + 1, cfg.window) for r in rows)
+    return sum(r // n + 1 for r in rows)  # I: the stream's own rows up to r; shared-KV: its row + stream 0's before
+
+
+def tah_forward(body, cfg, T, passes):
+    """TaH's forward FLOPs per token (weights, attention): pass 1 on every token, a share `passes - 1` of them on
+    (`max_depth` 2, the paper's recipe), with the LoRA adapter, the next-pass input and the head."""
+    deeper = passes - 1
+    if not 0 <= deeper <= cfg.max_depth - 1:
+        raise ValueError(f"passes must be in [1, {cfg.max_depth}], got {passes!r}")
+    rows = 1 + deeper
+    matmuls = sum(weights(block, cfg, rows, rows, lora_rows=deeper) for block in body.blocks)
+    matmuls += 2 * body.lm_head.weight.numel() * rows + 2 * body.wte.weight.numel() * deeper
+    # duo-causal pairs: depth 0 queries see the t + 1 tokens before; a depth-1 query sees those and
+    # the deeper states among them (all of them, at passes 2)
+    keys = (T + 1) / 2 * (1 + deeper * (1 + deeper))
+    return {"weights": matmuls, "attention": 4 * cfg.n_head * cfg.head_dim * keys * cfg.n_layer}

@@ -671,25 +671,6 @@ def test_compile_trains_through_the_compiled_models_and_matches_eager(tmp_path, 
         assert b["mean"] == pytest.approx(a["mean"], rel=1e-3, abs=1e-3), (a["arm"], a["metric"])
 
 
-def test_flops_per_token_counts_active_experts_and_expanded_rows():
-    """The MFU line's model FLOPs, against a count by hand: 6 per weight a row passes through
-    (only top_k of the routed experts; no embedding lookups), attention 12 * L * H * hd * T/2,
-    times the n rows of each token under HD."""
-    base = dict(vocab_size=50, block_size=16, n_layer=3, n_embd=16, n_head=6, n_kv_head=2, head_dim=8,
-                n_experts=4, expert_hidden=8)
-    T = 16
-    m1 = Transformer(ModelConfig(**base, top_k=1))
-    m2 = Transformer(ModelConfig(**base, top_k=2))
-    routed = sum(p.numel() for n, p in m1.named_parameters() if n.endswith(("w_gate_up", "w_down")))
-    assert flops.per_token(m2, T) - flops.per_token(m1, T) == pytest.approx(6 * routed / 4)
-    dense = sum(p.numel() for n, p in m1.named_parameters()
-                if p.ndim >= 2 and "wte" not in n and not n.endswith(("w_gate_up", "w_down")))
-    attention = 12 * 3 * 6 * 8 * T / 2
-    assert flops.per_token(m1, T) == pytest.approx(6 * (dense + routed / 4) + attention)
-    hd = HiddenDecoding(HDConfig(**base, top_k=1, n_streams=2, layout="IFL"))
-    assert flops.per_token(hd, T) == pytest.approx(2 * (6 * (dense + routed / 4) + 2 * attention))
-
-
 def test_preset_fields_are_flags_the_nanogpt_way():
     args = flags(["--n_layer=4", "--layout=IIFL", "--plays=macbeth,hamlet", "--lr", "0.01", "--seeds=1",
                     "--hd_ns=1,2,8"])
