@@ -192,3 +192,25 @@ def test_the_suite_trains_the_arms_of_hd_ns_and_judges_their_claims(tmp_path):
     assert arms == {"n1-continued", "n3-continued", "n1-steps3", "n1-looped3"}, arms
     said = {v["claim"] for v in json.loads((tmp_path / "results.json").read_text())["verdicts"]}
     assert {c.name for c in compute.claims((1, 3))} <= said and not any("n=4" in c or "x4" in c for c in said), said
+
+
+def test_the_figure_plots_each_arms_paired_difference_from_the_control_against_its_flops(tmp_path, monkeypatch):
+    """compute.plot: per way, x the arm's FLOPs, y its loss minus the control's paired by seed, the
+    error bar the 95% t interval of those differences (not the unpaired spread of the losses)."""
+    from lab import report
+    rows = []
+    for seed, shift in enumerate((0.0, 0.3, -0.2)):  # the seeds' common shift cancels in the paired difference
+        for arm, loss, f in ((compute.N1, 5.0, 1.0), (compute.streams_arm(2), 4.9, 1.3), (compute.steps_arm(2), 4.7, 2.0),
+                             (compute.looped_arm(2), 5.1 + 0.01 * seed, 1.4)):
+            rows += report.result_rows(compute.HD_COMPUTE, arm, seed, {"loss": loss + shift, compute.FLOPS: f})
+    drawn = {}
+    real = compute.figures.pyplot()
+    fig, ax = real.subplots()
+    monkeypatch.setattr(ax, "errorbar", lambda x, y, yerr, **kw: drawn.setdefault(kw["label"], (x, y, yerr)))
+    monkeypatch.setattr(real, "subplots", lambda **kw: (fig, ax))
+    assert compute.plot(report.summarize(rows), tmp_path, (1, 2)) == tmp_path / "hd_compute.png"
+    x, y, yerr = drawn["more streams (HD)"]
+    assert list(x) == pytest.approx([1.0, 1.3]) and list(y) == pytest.approx([0.0, -0.1]) and yerr == pytest.approx([0, 0], abs=1e-9)
+    x, y, yerr = drawn["looping (recurrent depth)"]
+    d = [0.1, 0.11, 0.12]
+    assert y[1] == pytest.approx(0.11) and yerr[1] == pytest.approx((report.interval95(d)[1] - report.interval95(d)[0]) / 2)
