@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hd import HiddenDecoding
 from lab import files, flops
 from moe import Transformer
 
@@ -205,9 +204,9 @@ def sum_over_ranks(params, total, dev):
 
 
 def compiled(model):
-    """--compile: the backbone and HD whole (fullgraph, static shapes); TaH per pass, since the
-    loop between its passes reads the decider's choices."""
-    if isinstance(model, (Transformer, HiddenDecoding)):
+    """--compile: a model whole (fullgraph, static shapes: the backbone, HD, a loop of it); TaH per
+    pass (compile_passes), since the loop between its passes reads the decider's choices."""
+    if not hasattr(model, "compile_passes"):
         return torch.compile(model, fullgraph=True, dynamic=False)
     return model.compile_passes(True)
 

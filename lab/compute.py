@@ -1,21 +1,27 @@
 """
 What HD's compute buys (`--suite hd-compute`): the continuation's compute spent three ways, each
-from the same n = 1 checkpoint and on the same batches where it reads batches, seed by seed.
+from the same n = 1 checkpoint and on the same batches, seed by seed.
 
 - More streams (HD): n = 1 continued (the control), n = 2 and n = 4, as the default run.
-- More data: n = 1 continued for 2x and 4x the steps (more tokens, the same parameters).
+- More steps: n = 1 continued for 0.5x, 1.5x, 2x, 3x and 4x the steps, each with its own full
+  schedule (more tokens, the same parameters; past one epoch the text repeats: the rows give the
+  epochs each arm sees, the backbone's steps included). With the control, the curve of loss
+  against FLOPs that the effective compute is read from.
 - Looping (recurrent depth): the n = 1 model with its whole block stack run 2x and 4x per token,
-  the same weights each pass (Looped). The whole stack, as Ouro loops it, rather than a middle
-  core, as Huginn does. KV-Mirror pairs the first third with the last within each pass, as
-  trained. Nothing is added for stability (no input injection, no gate): the looped model
-  continues from the n = 1 checkpoint at the continuation's learning rate, like every arm (the
-  rows say how it fares).
+  the same weights each pass (Looped), as Ouro loops the whole stack rather than a middle core as
+  Huginn does. A fair start: each pass after the first moves the state by a per-channel gate that
+  starts at 0, so the loop begins at the n = 1 function exactly, as HD's expansion does (a
+  checkpoint trained for one pass, run k times as it is, starts far from it and ended above the
+  control in an earlier run: RESULTS). KV-Mirror pairs the first third with the last within each pass.
 
 Each arm's training FLOPs are counted as it runs (lab/flops.py's per_token: the rows each layer
 runs, the head once a token, the loop's passes), times the tokens its continuation trains on
 (steps x batch x block). As run, the ways do not spend equal compute: at the default preset HD
 n = 4 costs ~2.0x n = 1 a token (its head and its two KV-mirrored layers run once a token), the
-loop x4 ~2.3x, 4x the steps 4x.
+loop x4 ~2.3x. So the arms are compared by their **effective compute**: the FLOPs n = 1 needs to
+reach the arm's loss on its curve of more steps (per seed, read in log FLOPs between the points
+that bracket it; beyond the curve: nan, not extrapolated), over the FLOPs the arm spent. Above 1,
+the arm's compute is worth more than the same compute spent on more steps.
 """
 
 if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
@@ -23,7 +29,11 @@ if __name__ == "__main__":  # no script: one line saying what to run (first: by 
     print("lab/compute.py is no script: run python train_tiny.py --suite hd-compute", file=sys.stderr)
     sys.exit(2)
 
+import math
+from dataclasses import replace
+
 import numpy as np
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -34,16 +44,19 @@ from lab import figures, flops
 from lab.report import Arm, Claim, Effect, interval95, result_rows
 from moe import upcast
 from protocols import lm_loss
-from trainer import Stage, evaluate, train
+from trainer import evaluate, train
 
 
 class Looped(nn.Module):
     """An n = 1 HD model (hd.HiddenDecoding) with its block stack run `loops` times per token, the
-    same weights each pass: the residual stream a pass leaves is the next pass's input, the final
-    norm and the LM head read the last. loops = 1 is the model itself. With caches (decoding),
+    same weights each pass; the final norm and the LM head read the last pass's state. Pass j > 1
+    moves the state by a gated step, x <- x + g_j * (blocks(x) - x), a per-channel gate g_j that
+    starts at 0 (gated=True): at step 0 the loop is the n = 1 model exactly, as HD's expansion
+    starts at its n = 1 function, and training opens the gates. gated=False: the plain loop (each
+    pass's output the next's input). loops = 1 is the model itself. With caches (decoding),
     caches[j] are pass j's (one generate.make_caches per pass)."""
 
-    def __init__(self, model, loops):
+    def __init__(self, model, loops, gated=True):
         super().__init__()
         if type(model) is not HiddenDecoding or model.cfg.n_streams != 1:
             what = f"n_streams {model.cfg.n_streams}" if type(model) is HiddenDecoding else type(model).__name__
@@ -55,6 +68,8 @@ class Looped(nn.Module):
         except ValueError as e:
             raise ValueError(f"Looped x{loops:,}: {e}") from None
         self.model, self.loops = model, loops
+        C = model.cfg.n_embd
+        self.gates = nn.ParameterList(nn.Parameter(torch.zeros(C)) for _ in range(loops - 1)) if gated else None
 
     @property
     def backbone(self):
@@ -72,7 +87,8 @@ class Looped(nn.Module):
                              f"got {len(caches) if isinstance(caches, (list, tuple)) else type(caches).__name__}")
         x = m.embed(idx)
         for j in range(self.loops):
-            x = m.backbone.run_blocks(x, m.plans(idx, None if caches is None else caches[j]))
+            y = m.backbone.run_blocks(x, m.plans(idx, None if caches is None else caches[j]))
+            x = y if j == 0 or self.gates is None else x + self.gates[j - 1].to(y.dtype) * (y - x)
         logits = m.head(x)
         loss = None if targets is None else F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten(),
                                                             ignore_index=-1)
@@ -95,43 +111,70 @@ def streams_arm(n):
     return protocols.hd_cont_arm(n)
 
 
+STEPS = (0.5, 1.5, 2, 3, 4)  # n = 1 continued for these multiples of the continuation's steps (1x: the control)
+EFFECTIVE = "effective compute"  # the FLOPs n = 1 needs to reach the arm's loss by more steps, over the arm's FLOPs
+EPOCHS = "epochs of the train split"  # the backbone's steps and the arm's, each a batch x block tokens
+
+
 def steps_arm(k):
-    return Arm(f"n1-steps{k}", f"n=1 continued {k}x the steps")
+    return Arm(f"n1-steps{k:g}", f"n=1 continued {k:g}x the steps (repeated data)")
 
 
 def looped_arm(k):
-    return Arm(f"n1-looped{k}", f"n=1 looped x{k} (the whole stack, shared weights)")
+    return Arm(f"n1-looped{k}", f"n=1 looped x{k} (the whole stack, shared weights, gated)")
 
 
 def hd_compute(preset, ctx, seed, data):
-    """The n = 1 backbone, then from it on the same batches, for each k of --hd_ns past 1 (2, 4):
-    n = k continued (and n = 1, the control); n = 1 for k x the steps; n = 1 looped x k. Each arm's
-    held-out loss and accuracy, and its FLOPs."""
+    """The n = 1 backbone, then from it on the same batches: n = 1 continued for 0.5x to 4x the
+    steps (STEPS, each its own schedule; 1x is the control), and for each k of --hd_ns past 1 (2, 4)
+    HD n = k and the n = 1 stack looped x k (gated, from the n = 1 function). Each arm's held-out
+    loss and accuracy, its FLOPs as run, and (not the steps arms) its effective compute: the FLOPs
+    n = 1 needs to reach the arm's loss on this seed's curve of more steps, over the arm's."""
     base = protocols.hd_backbone(preset, ctx, seed, data, "hd-compute")
     stage = protocols.continuation(preset)
     after_base = dict(first_batch=preset.hd_base_iters)
     ks = preset.hd_ns[1:]
     arms = [(streams_arm(n), expand_streams(base, n), stage) for n in preset.hd_ns]
-    arms += [(steps_arm(k), expand_streams(base, 1), Stage(k * stage.steps, stage.lr, warmup=stage.warmup,
-                                                         batch=stage.batch, block=stage.block)) for k in ks]
+    arms += [(steps_arm(k), expand_streams(base, 1), replace(stage, steps=max(1, round(k * stage.steps))))
+             for k in STEPS]
     arms += [(looped_arm(k), Looped(expand_streams(base, 1), k), stage) for k in ks]
-    rows = []
+    rows, runs = [], {}
     for arm, model, arm_stage in arms:
         model = model.to(ctx.device)
         train(f"hd-compute/{arm.label}", model, lm_loss, data, arm_stage, ctx, seed, **after_base)
         metrics = evaluate(model, data, preset, ctx)
-        rows += result_rows(HD_COMPUTE, arm, seed, {**metrics, FLOPS: training_flops(model, arm_stage)})
+        runs[arm] = (training_flops(model, arm_stage), metrics["loss"])
+        seen = (preset.hd_base_iters + arm_stage.steps) * arm_stage.batch * arm_stage.block / len(data.split["train"])
+        rows += result_rows(HD_COMPUTE, arm, seed, {**metrics, FLOPS: runs[arm][0],
+                                                     **({EPOCHS: seen} if arm.id.startswith("n1-steps") else {})})
+    curve = [runs[a] for a in runs if a == N1 or a.id.startswith("n1-steps")]
+    for arm, (f, loss) in runs.items():
+        if arm != N1 and not arm.id.startswith("n1-steps"):
+            rows += result_rows(HD_COMPUTE, arm, seed, {EFFECTIVE: effective_compute(curve, loss, f)})
     return rows
+
+
+def effective_compute(curve, loss, flops):
+    """The FLOPs n = 1 needs to reach `loss` on `curve` [(FLOPs, loss)] (its more-steps arms, one
+    seed), read linearly in log FLOPs between the first two neighbouring points that bracket it,
+    over `flops`: > 1, the arm's compute is worth more than as many FLOPs of more steps. nan beyond
+    the curve (a loss above all of its points or below all: not extrapolated)."""
+    points = sorted(curve)
+    for (f0, l0), (f1, l1) in zip(points, points[1:]):
+        if min(l0, l1) <= loss <= max(l0, l1):
+            w = 0.0 if l0 == l1 else (l0 - loss) / (l0 - l1)
+            return math.exp(math.log(f0) + w * (math.log(f1) - math.log(f0))) / flops
+    return float("nan")
 
 
 def check_arms(preset, *, vocab, max_steps, device, sharing):
     """The preset's check (lab/presets.py) of this suite's arms beyond HD's: n = 1 for k x the
     continuation's steps and n = 1 looped x k, for the largest k of --hd_ns: its longest stage and
     its largest model (`vocab`: the text's, at most; `max_steps`: a stage's)."""
-    k = max(preset.hd_ns)
-    if k * preset.hd_cont_iters > max_steps:
-        return (f"--suite hd-compute continues n = 1 for {k}x --hd_cont_iters ({k} x {preset.hd_cont_iters:,} steps), "
-                f"past the {max_steps:,} steps a stage may take: lower --hd_cont_iters or --hd_ns")
+    k, most = max(preset.hd_ns), max(STEPS)
+    if most * preset.hd_cont_iters > max_steps:
+        return (f"--suite hd-compute continues n = 1 for {most:g}x --hd_cont_iters ({most:g} x {preset.hd_cont_iters:,} "
+                f"steps), past the {max_steps:,} steps a stage may take: lower --hd_cont_iters")
     try:  # looped x k keeps what a batch of k x --batch sequences keeps
         check_fits(protocols.hd_config(preset, vocab, 1), k * preset.batch, training=True, device=device, sharing=sharing)
     except ValueError as e:
@@ -144,21 +187,22 @@ def loss_claim(name, arm, baseline):
 
 
 def claims(ns):
-    """HD n = k against the looped and the longer n = 1 arms, for each k of --hd_ns past 1, the largest
-    first. Not "at equal compute": as run, n = k spends less than either (the arms table gives each
-    arm's FLOPs; RESULTS their ratios)."""
+    """For each k of --hd_ns past 1, the largest first: HD n = k against the gated loop x k (the
+    same parameters and tokens; as run n = k spends less), and n = k's compute worth more than
+    more steps (its effective compute above 1)."""
     return [c for k in reversed(ns[1:]) for c in (
         loss_claim(f"HD compute: n={k} beats n=1 looped x{k} (the same parameters and tokens)", streams_arm(k),
                    looped_arm(k)),
-        loss_claim(f"HD compute: n={k} beats n=1 for {k}x the steps (the same parameters, {k}x the tokens)",
-                   streams_arm(k), steps_arm(k)))]
+        Claim(f"HD compute: n={k}'s compute is worth more than more steps (effective compute > 1)", HD_COMPUTE,
+              streams_arm(k), baseline=1.0, metric=EFFECTIVE, sign=1))]
 
 
 def ways(ns):
-    """The figure's three lines, each from the n = 1 control."""
+    """The figure's three lines, each through the n = 1 control."""
     return {"more streams (HD)": [N1] + [streams_arm(k) for k in ns[1:]],
-            "more data (steps)": [N1] + [steps_arm(k) for k in ns[1:]],
-            "looping (recurrent depth)": [N1] + [looped_arm(k) for k in ns[1:]]}
+            "more steps (repeated data)": sorted([N1] + [steps_arm(k) for k in STEPS],
+                                                 key=lambda a: 1 if a == N1 else float(a.id[8:])),
+            "looping, gated (recurrent depth)": [N1] + [looped_arm(k) for k in ns[1:]]}
 
 
 def plot(summary, out_dir, ns):

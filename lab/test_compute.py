@@ -24,42 +24,65 @@ def n1_model(**kw):
     return HiddenDecoding(HDConfig(**{**cfg, **kw})).eval()
 
 
-def by_hand(model, idx, k):
+def by_hand(model, idx, k, gates=None):
     """The blocks run k times in a plain loop, each layer its own dense mask, KV-Mirror's source
-    handing its normalized input to its consumer within each pass."""
+    handing its normalized input to its consumer within each pass; with gates, pass j > 1 moves
+    the state by gates[j - 2] * (its output - its input)."""
     body, t = model.backbone, torch.arange(idx.size(1))
     x = model.tables[0](idx)
-    for _ in range(k):
-        saved = {}
+    for j in range(k):
+        saved, y = {}, x
         for i, block in enumerate(body.blocks):
             kv_u = saved.pop(block.mirror_source) if block.mirror_source is not None else None
-            x, u = block(x, t, dense_mask(layer_mask(model.cfg, i), t, t), kv_u=kv_u)
+            y, u = block(y, t, dense_mask(layer_mask(model.cfg, i), t, t), kv_u=kv_u)
             if i in body.sources:
                 saved[i] = u
+        x = y if j == 0 or gates is None else x + gates[j - 1] * (y - x)
     return body.lm_head(body.norm_f(x))
 
 
+def opened(looped, seed=1):
+    """The loop's gates set to random values (as training leaves them), so that every pass counts."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for gate in looped.gates:
+            gate.copy_(torch.rand(gate.shape, generator=g) * 1.5)
+    return looped
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_the_looped_model_runs_the_block_stack_k_times(k):
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_looped_model_runs_the_block_stack_k_times(k, gated):
     model = n1_model(attn_impl="dense", mirror_skip=False)
     idx = torch.randint(61, (2, 10))
+    looped = opened(compute.Looped(model, k)) if gated else compute.Looped(model, k, gated=False)
     with torch.no_grad():
-        got = compute.Looped(model, k)(idx)[0]
-        torch.testing.assert_close(got, by_hand(model, idx, k), atol=1e-5, rtol=1e-5)
+        got = looped(idx)[0]
+        torch.testing.assert_close(got, by_hand(model, idx, k, looped.gates), atol=1e-5, rtol=1e-5)
 
 
-def test_one_pass_is_the_n1_model_exactly_and_two_are_not():
+def test_the_gated_loop_starts_as_the_n1_model_exactly_and_its_gates_train():
+    """A fair start (as HD's expansion starts at the n = 1 function): the gated loop x2 and x4 at
+    step 0 give n = 1's logits and loss exactly; the ungated loop does not. The gates get gradients
+    and move under a step of AdamW."""
     model = n1_model()  # the fast paths and the KV-mirror skip, as the suite trains it
     idx, y = torch.randint(61, (2, 10)), torch.randint(61, (2, 10))
     with torch.no_grad():
-        one, two = compute.Looped(model, 1)(idx, y), compute.Looped(model, 2)(idx, y)
         ref = model(idx, y)
-    assert torch.equal(one[0], ref[0]) and torch.equal(one[1], ref[1])
-    assert not torch.allclose(two[0], ref[0])
+        for k in (1, 2, 4):
+            got = compute.Looped(model, k)(idx, y)
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), k
+        assert not torch.allclose(compute.Looped(model, 2, gated=False)(idx, y)[0], ref[0])
+    looped = compute.Looped(model.train(), 4)
+    opt = torch.optim.AdamW(looped.parameters(), lr=1e-2)
+    looped(idx, y)[1].backward()
+    assert all(g.grad is not None and g.grad.abs().sum() > 0 for g in looped.gates)
+    opt.step()
+    assert all(g.abs().sum() > 0 for g in looped.gates)
 
 
 def test_looped_decoding_with_a_cache_per_pass_is_the_full_forward():
-    looped = compute.Looped(n1_model(), 3)
+    looped = opened(compute.Looped(n1_model(), 3))
     idx = torch.randint(61, (2, 6))
     with torch.no_grad():
         full = looped(idx)[0][:, -1]
@@ -181,15 +204,16 @@ def test_looped_refuses_what_it_cannot_loop():
 
 
 def test_the_suite_trains_the_arms_of_hd_ns_and_judges_their_claims(tmp_path):
-    """--hd_ns 1,3: the arms n = 1, n = 3, n = 1 for 3x the steps, n = 1 looped x3, and no other
-    (the default's 2 and 4 are not trained unseen); a claim for k = 3 against each."""
+    """--hd_ns 1,3: the arms n = 1, n = 3, n = 1 looped x3 and the curve of more steps, and no other
+    (the default's 2 and 4 are not trained unseen); k = 3's claims."""
     import json
     import train_tiny as tt
     tt.main(["--smoke", "--suite", "hd-compute", "--hd_ns", "1,3", "--seeds", "1", "--jobs", "1",
              "--hd_base_iters", "2", "--hd_cont_iters", "2", "--out", str(tmp_path)])
     rows = json.loads(next(tmp_path.glob("run-*/rows.json")).read_text())["rows"]
     arms = {r["arm_id"] for r in rows if r["suite"] == "hd-compute"}
-    assert arms == {"n1-continued", "n3-continued", "n1-steps3", "n1-looped3"}, arms
+    steps = {f"n1-steps{k:g}" for k in compute.STEPS}  # the curve of more steps, whatever --hd_ns
+    assert arms == {"n1-continued", "n3-continued", "n1-looped3"} | steps, arms
     said = {v["claim"] for v in json.loads((tmp_path / "results.json").read_text())["verdicts"]}
     assert {c.name for c in compute.claims((1, 3))} <= said and not any("n=4" in c or "x4" in c for c in said), said
 
@@ -211,6 +235,76 @@ def test_the_figure_plots_each_arms_paired_difference_from_the_control_against_i
     assert compute.plot(report.summarize(rows), tmp_path, (1, 2)) == tmp_path / "hd_compute.png"
     x, y, yerr = drawn["more streams (HD)"]
     assert list(x) == pytest.approx([1.0, 1.3]) and list(y) == pytest.approx([0.0, -0.1]) and yerr == pytest.approx([0, 0], abs=1e-9)
-    x, y, yerr = drawn["looping (recurrent depth)"]
+    x, y, yerr = drawn["looping, gated (recurrent depth)"]
     d = [0.1, 0.11, 0.12]
     assert y[1] == pytest.approx(0.11) and yerr[1] == pytest.approx((report.interval95(d)[1] - report.interval95(d)[0]) / 2)
+
+
+def test_every_arm_of_the_suite_trains_compiled(tmp_path, monkeypatch):
+    """--compile runs every arm, the looped ones too (a Looped model compiles whole, like HD): dynamo
+    traces each fullgraph (backend "eager" here, for the time; inductor's kernels are torch's)."""
+    import json
+    import train_tiny as tt
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real(model, **{**kw, "backend": "eager"}))
+    tt.main(["--smoke", "--compile", "--suite", "hd-compute", "--seeds", "1", "--jobs", "1", "--hd_base_iters", "2",
+             "--hd_cont_iters", "2", "--out", str(tmp_path)])
+    rows = json.loads(next(tmp_path.glob("run-*/rows.json")).read_text())["rows"]
+    assert {r["arm_id"] for r in rows} == {"n1-continued", "n2-continued", "n4-continued", "n1-looped2",
+                                           "n1-looped4"} | {f"n1-steps{k:g}" for k in compute.STEPS}
+
+
+def test_effective_compute_reads_the_flops_n1_needs_off_its_curve_in_log_flops():
+    """By hand: n = 1 reaches loss 5.0 at 1e12 FLOPs and 4.0 at 4e12; an arm at 4.5 is halfway in
+    log FLOPs, 2e12; spent with 1e12 it is worth 2x, with 4e12 half. Above the curve's first loss
+    or below its last: nan (beyond the curve, not extrapolated). A curve that turns back up is
+    read at its first crossing."""
+    curve = [(4e12, 4.0), (1e12, 5.0), (2e12, 4.4)]  # any order
+    assert compute.effective_compute([(1e12, 5.0), (4e12, 4.0)], 4.5, 1e12) == pytest.approx(2.0)
+    assert compute.effective_compute([(1e12, 5.0), (4e12, 4.0)], 4.5, 4e12) == pytest.approx(0.5)
+    assert compute.effective_compute(curve, 5.0, 1e12) == pytest.approx(1.0)
+    assert compute.effective_compute(curve, 4.7, 1e12) == pytest.approx(2 ** 0.5)  # (5.0 - 4.7) / 0.6 of a doubling
+    import math
+    assert math.isnan(compute.effective_compute(curve, 5.1, 1e12)) and math.isnan(compute.effective_compute(curve, 3.9, 1e12))
+    assert compute.effective_compute([(1e12, 5.0), (2e12, 4.0), (4e12, 4.5)], 4.2, 1e12) == pytest.approx(2 ** 0.8)
+
+
+def test_the_suites_wiring_every_arm_from_the_backbone_on_the_control_batches_each_on_its_own_schedule(monkeypatch):
+    """hd_compute with a train that moves the weights in place (as training does): every arm still
+    starts from the backbone's weights (a copy each, not one another arm trained), on the control's
+    seed and first batch; each steps arm's stage spans its own steps (0.5x to 4x), the rest the
+    control's; the effective compute rows read each seed's curve."""
+    import train_tiny as tt
+    from dataclasses import replace as with_fields
+    preset = with_fields(tt.PRESETS["smoke"], hd_base_iters=2, hd_cont_iters=8)
+    base = n1_model()
+    monkeypatch.setattr(compute.protocols, "hd_backbone", lambda *a: base)
+    started = {}
+
+    def train(name, model, loss, data, stage, ctx, seed, first_batch):
+        body = model.model if isinstance(model, compute.Looped) else model
+        started[name] = (body.backbone.lm_head.weight.sum().item(), stage, seed, first_batch)
+        with torch.no_grad():
+            for w in model.parameters():
+                w.add_(1.0)
+    losses = iter(range(100))
+    monkeypatch.setattr(compute, "train", train)
+    monkeypatch.setattr(compute, "evaluate", lambda model, data, preset, ctx: {"loss": 5.0 - 0.01 * next(losses)})
+    data = type("Text", (), {"split": {"train": torch.zeros(1000)}})()
+    rows = compute.hd_compute(preset, trainer_ctx(), 3, data)
+    want = base.backbone.lm_head.weight.sum().item()  # the backbone as trained, before any arm
+    steps = preset.hd_cont_iters
+    for name, (start, stage, seed, first) in started.items():
+        assert start == pytest.approx(want) and seed == 3 and first == preset.hd_base_iters, name
+        k = next((k for k in compute.STEPS if name.endswith(f"{k:g}x the steps (repeated data)")), 1)
+        assert stage.steps == max(1, round(k * steps)), (name, stage)
+    assert len(started) == len(preset.hd_ns) + len(compute.STEPS) + len(preset.hd_ns) - 1
+    effective = [r for r in rows if r["metric"] == compute.EFFECTIVE]
+    assert {r["arm_id"] for r in effective} == {f"n{k}-continued" for k in preset.hd_ns[1:]} | {
+        f"n1-looped{k}" for k in preset.hd_ns[1:]}
+
+
+def trainer_ctx():
+    from pathlib import Path
+    from trainer import Context
+    return Context(Path("."))
