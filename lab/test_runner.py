@@ -408,7 +408,7 @@ def test_jobs_default_to_the_cores_per_thread_and_refuse_torchrun(monkeypatch, c
     (["--seed0", "1e30"], "invalid int value"),
     # --suite hd-compute: its longest stage (n = 1 for max(--hd_ns) x the steps) and its arms' sizes
     (["--suite", "hd-compute", "--hd_cont_iters", "1000000"], "continues n = 1 for 4x --hd_cont_iters"),
-    (["--suite", "hd-compute", "--hd_ns", "1,2,8", "--hd_cont_iters", "200000"], "8 x 200,000 steps"),
+    (["--suite", "hd-compute", "--hd_cont_iters", "250001"], "4 x 250,001 steps"),
     (["--suite", "hd-compute", "--hd_ns", "1,2", "--batch", "937", "--jobs", "1"], "needs ~"),
     (["--suite", "hd-compute", "--hd_ns", "1,2,16", "--batch", "200", "--jobs", "1"], "needs ~"),
 ])
