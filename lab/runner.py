@@ -302,6 +302,7 @@ def open_run(flags):
         jobs.stopped = f"stopped by SIGTERM with {len(jobs.todo)} (suite, seed)s of {len(flags.suites) * len(flags.seeds)} left"
     finally:
         stack.close()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the report after the run: a SIGTERM ends the process
     if DDP and dist.is_initialized():
         dist.destroy_process_group()
 
