@@ -154,23 +154,23 @@ def hd_compute(preset, ctx, seed, data):
     return rows
 
 
-def effective_compute(curve, loss, flops):
+def effective_compute(curve, loss, spent):
     """The FLOPs n = 1 needs to reach `loss` on `curve` [(FLOPs, loss)] (its more-steps arms, one
     seed), read linearly in log FLOPs between the first two neighbouring points that bracket it,
-    over `flops`: > 1, the arm's compute is worth more than as many FLOPs of more steps. nan beyond
+    over the FLOPs the arm `spent`: > 1, its compute is worth more than as many FLOPs of more steps. nan beyond
     the curve (a loss above all of its points or below all: not extrapolated)."""
     points = sorted(curve)
     for (f0, l0), (f1, l1) in zip(points, points[1:]):
         if min(l0, l1) <= loss <= max(l0, l1):
             w = 0.0 if l0 == l1 else (l0 - loss) / (l0 - l1)
-            return math.exp(math.log(f0) + w * (math.log(f1) - math.log(f0))) / flops
+            return math.exp(math.log(f0) + w * (math.log(f1) - math.log(f0))) / spent
     return float("nan")
 
 
 def check_arms(preset, *, vocab, max_steps, device, sharing):
-    """The preset's check (lab/presets.py) of this suite's arms beyond HD's: n = 1 for k x the
-    continuation's steps and n = 1 looped x k, for the largest k of --hd_ns: its longest stage and
-    its largest model (`vocab`: the text's, at most; `max_steps`: a stage's)."""
+    """The preset's check (lab/presets.py) of this suite's arms beyond HD's: its longest stage (n = 1
+    for max(STEPS) x the continuation's steps) and its largest loop (n = 1 looped x k, k the largest
+    of --hd_ns); `vocab`: the text's, at most; `max_steps`: a stage's."""
     k, most = max(preset.hd_ns), max(STEPS)
     if most * preset.hd_cont_iters > max_steps:
         return (f"--suite hd-compute continues n = 1 for {most:g}x --hd_cont_iters ({most:g} x {preset.hd_cont_iters:,} "
