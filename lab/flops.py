@@ -91,15 +91,16 @@ def pairs(cfg, i, n, T, final_only):
 
 
 def tah_forward(body, cfg, T, passes):
-    """TaH's forward FLOPs per token (weights, attention): pass 1 on every token, a share `passes - 1` of them on
-    (`max_depth` 2, the paper's recipe), with the LoRA adapter, the next-pass input and the head."""
+    """TaH's forward FLOPs per token (weights, attention): pass 1 on every token, and `passes - 1`
+    more per token (a share of the tokens in pass 2; past 2 passes, every token the same number),
+    each with the LoRA adapter, the next-pass input and the head."""
     deeper = passes - 1
-    if not 0 <= deeper <= cfg.max_depth - 1:
-        raise ValueError(f"passes must be in [1, {cfg.max_depth}], got {passes!r}")
+    if not 0 <= deeper <= cfg.max_depth - 1 or deeper > 1 and deeper != int(deeper):
+        raise ValueError(f"passes must be in [1, 2], or a whole number up to {cfg.max_depth}, got {passes!r}")
     rows = 1 + deeper
     matmuls = sum(weights(block, cfg, rows, rows, lora_rows=deeper) for block in body.blocks)
     matmuls += 2 * body.lm_head.weight.numel() * rows + 2 * body.wte.weight.numel() * deeper
-    # duo-causal pairs: depth 0 queries see the t + 1 tokens before; a depth-1 query sees those and
-    # the deeper states among them (all of them, at passes 2)
-    keys = (T + 1) / 2 * (1 + deeper * (1 + deeper))
+    # duo-causal pairs: a depth-d query sees the t + 1 tokens' states of depths 0 .. d that exist: at
+    # p whole passes (d + 1)(t + 1) each, p (p + 1) / 2 (t + 1) a token; a share f in pass 2: 1 + f (1 + f)
+    keys = (T + 1) / 2 * (1 + deeper * (1 + deeper) if deeper <= 1 else passes * (passes + 1) / 2)
     return {"weights": matmuls, "attention": 4 * cfg.n_head * cfg.head_dim * keys * cfg.n_layer}

@@ -97,7 +97,7 @@ def test_looped_decoding_with_a_cache_per_pass_is_the_full_forward():
 def flop_models():
     """Models whose FLOPs per token are counted as they run: HD n = 1, 2, 4 with the KV-mirror skip,
     n = 4 without it, a layout with every letter and shared-KV I layers, the objective "all",
-    looped x1 and x3, the plain backbone, TaH at one pass and at two; routed experts dispatched by
+    looped x1 and x3, the plain backbone, TaH at one pass and at two, TaH-3 at three; routed experts dispatched by
     the reference loop (each expert on exactly its rows)."""
     torch.manual_seed(0)
     hd = dict(vocab_size=61, block_size=24, n_layer=6, n_embd=32, n_head=4, n_kv_head=2, head_dim=16, n_experts=4,
@@ -115,6 +115,9 @@ def flop_models():
         "looped x1": (compute.Looped(n1, 1), {}), "looped x3": (compute.Looped(n1, 3), {}),
         "backbone": (Transformer(ModelConfig(**{k: v for k, v in hd.items() if k not in ("layout", "window")})), {}),
         "TaH standard": (tah, dict(mode="standard")), "TaH always": (tah, dict(mode="always")),
+        "TaH-3 always": (ThinkAtHard(TaHConfig(vocab_size=61, block_size=24, n_layer=3, n_embd=32, n_head=2,
+                                               n_kv_head=1, head_dim=16, n_experts=0, ffn_hidden=32, logit_topk=16,
+                                               max_depth=3)), dict(mode="always")),
     }
 
 
@@ -131,7 +134,7 @@ def test_the_flops_of_the_weights_are_what_torchs_flop_counter_counts_as_the_mod
     with FlopCounterMode(display=False) as counter:
         out = model(idx, y, **kw)
         (out.loss if hasattr(out, "loss") else out[1]).backward()
-    passes = 2 if kw.get("mode") == "always" else 1
+    passes = getattr(model.cfg, "max_depth", 1) if kw.get("mode") == "always" else 1
     assert counter.get_total_flops() / (B * T) == pytest.approx(flops.parts(model, T, passes)["weights"], rel=1e-12)
 
 
@@ -145,7 +148,7 @@ def test_the_flops_of_attention_are_the_pairs_each_layers_mask_allows(name):
     inner = getattr(model, "model", model)
     cfg = inner.cfg
     if isinstance(inner, ThinkAtHard):
-        depth = 2 if kw["mode"] == "always" else 1
+        depth = cfg.max_depth if kw["mode"] == "always" else 1
         allowed = cfg.n_layer * sum(j <= i and k <= d for i in range(T) for d in range(depth)
                                     for j in range(T) for k in range(depth))
     else:
@@ -158,7 +161,7 @@ def test_the_flops_of_attention_are_the_pairs_each_layers_mask_allows(name):
             allowed += sum(bool(mod(0, 0, torch.tensor(q), torch.tensor(kv))) for q in queries for kv in range(n * T))
         allowed *= getattr(model, "loops", 1)
     want = 3 * 4 * cfg.n_head * cfg.head_dim * allowed / T
-    got = flops.parts(model, T, 2 if kw.get("mode") == "always" else 1)["attention"]
+    got = flops.parts(model, T, getattr(cfg, "max_depth", 1) if kw.get("mode") == "always" else 1)["attention"]
     assert got == pytest.approx(want, rel=1e-12)
 
 
