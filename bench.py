@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from generate import TaHCache, compiled_step, generate_tah, graphed_step, lora_merged, make_caches
 from hd import HDConfig, HiddenDecoding, expand_streams, fold, full, intra, local, unfold
-from lab.compute import Looped
+from lab.compute import Looped, ParScale
 from moe import GATHER_ROWS, MoE, ModelConfig, attend, attend_folded, dense_mask
 from tah import LoRALinear, TaHConfig, ThinkAtHard
 
@@ -884,15 +884,18 @@ def compiled_against_eager(width, repeats, device="cuda", steps=30, B=8, L=256, 
 
 
 def looped_costs(device, repeats, L=128, B=4, prompt=64, steps=8, quick=False):
-    """9. What a loop costs against HD's streams (lab/compute.py, --suite hd-compute): the n = 1
-    model looped x4 (its whole stack run 4 times per token), HD n = 4 and n = 1, IIFLII at width 64:
-    a training step, and cached decoding (a cache per pass for the loop) at batch 1 and 16. HD's
-    argument (HD §3): at a small batch the streams use idle compute in one pass, a loop waits on itself."""
+    """9. What a loop and ParScale cost against HD's streams (lab/compute.py, --suite hd-compute):
+    the n = 1 model looped x4 (its whole stack run 4 times per token), ParScale P = 4 (4 copies side
+    by side, each with its prefix), HD n = 4 and n = 1, IIFLII at width 64: a training step, and
+    cached decoding (a cache per pass for the loop; one for ParScale's 4 x B rows) at batch 1 and
+    16. HD's argument (HD §3), ParScale's too: at a small batch parallel streams use idle compute in
+    one pass, a loop waits on itself."""
     torch.manual_seed(0)
     if quick:
         L, prompt, steps = 16, 8, 2
     base = HiddenDecoding(hd_cfg(1, "IIFLII", max(L, prompt + steps + 1), window=16)).to(device)
-    arms = {"n=1": base, "n=1 looped x4": Looped(base, 4), "HD n=4": expand_streams(base, 4)}
+    arms = {"n=1": base, "n=1 looped x4": Looped(base, 4), "ParScale P=4": ParScale(base, 4),
+            "HD n=4": expand_streams(base, 4)}
     idx = torch.randint(512, (B, L + 1), device=device)
     train = timeit({k: train_step(m, idx) for k, m in arms.items()}, repeats, device)
     rows = []
@@ -903,7 +906,8 @@ def looped_costs(device, repeats, L=128, B=4, prompt=64, steps=8, quick=False):
     table = [[k, f"{train[k] / train['n=1']:.2f}x", f"{train[k] / train['HD n=4']:.2f}x"]
              + [f"{d[k] / d['n=1']:.2f}x" for _, d in rows] + [f"{d[k] / d['HD n=4']:.2f}x" for _, d in rows]
              for k in arms]
-    show(f"9. A loop against HD's streams: n=1 looped x4 (the whole stack, shared weights) vs n=1 and HD n=4, layout "
+    show(f"9. A loop and ParScale against HD's streams: n=1 looped x4 (the whole stack, shared weights), ParScale P=4 "
+         f"(4 copies with prefixes) vs n=1 and HD n=4, layout "
          f"IIFLII width 64; training step L={L} x B={B}; {steps} greedy decode steps after a {prompt}-token prompt "
          "(time ratios)", table,
          ["model", "train step vs n=1", "train step vs HD n=4", "decode B=1 vs n=1", "decode B=16 vs n=1",
@@ -913,9 +917,10 @@ def looped_costs(device, repeats, L=128, B=4, prompt=64, steps=8, quick=False):
 @torch.no_grad()
 def decode_greedy(model, idx, steps):
     """Greedy cached decoding: one forward for the prompt, one per new token (a Looped model keeps a
-    cache per pass)."""
+    cache per pass; ParScale one for its copies' rows)."""
     looped = isinstance(model, Looped)
-    caches = [make_caches(model.model) for _ in range(model.loops)] if looped else make_caches(model)
+    caches = [make_caches(model.model) for _ in range(model.loops)] if looped else make_caches(
+        model.model if isinstance(model, ParScale) else model)
     logits, _ = model(idx, caches=caches)
     for _ in range(steps):
         logits, _ = model(logits[:, -1:].argmax(-1), caches=caches)

@@ -1,5 +1,5 @@
 """
-What HD's compute buys (`--suite hd-compute`): the continuation's compute spent three ways, each
+What HD's compute buys (`--suite hd-compute`): the continuation's compute spent four ways, each
 from the same n = 1 checkpoint and on the same batches, seed by seed.
 
 - More streams (HD): n = 1 continued (the control), n = 2 and n = 4, as the default run.
@@ -13,6 +13,10 @@ from the same n = 1 checkpoint and on the same batches, seed by seed.
   starts at 0, so the loop begins at the n = 1 function exactly, as HD's expansion does (a
   checkpoint trained for one pass, run k times as it is, starts far from it and ended above the
   control in an earlier run: RESULTS). KV-Mirror pairs the first third with the last within each pass.
+- Parallel copies (ParScale, Chen et al. 2025): the n = 1 model run P = 2 and 4 times side by side on
+  the same tokens, each copy with its own learned prefix rows, the final states mixed by a learned
+  weighted sum (ParScale). HD's closest peer: parallel streams of one backbone, but no copy sees
+  another's keys, where HD's F and L layers mix its streams.
 
 Each arm's training FLOPs are counted as it runs (lab/flops.py's per_token: the rows each layer
 runs, the head once a token, the loop's passes), times the tokens its continuation trains on
@@ -39,10 +43,10 @@ import torch.nn.functional as F
 
 import protocols
 from checks import MAX_INT, check_fits, check_tokens, is_int
-from hd import HiddenDecoding, expand_streams
+from hd import HiddenDecoding, expand_streams, layer_mask
 from lab import figures, flops
 from lab.report import Arm, Claim, Effect, interval95, result_rows
-from moe import upcast
+from moe import BlockMask, dense_mask, upcast
 from protocols import lm_loss
 from trainer import evaluate, train
 
@@ -95,12 +99,109 @@ class Looped(nn.Module):
         return logits, loss
 
 
+PREFIX = 2  # ParScale's prefix rows per layer and copy (the paper: 48; here T = 64, see ParScale)
+SMOOTHING = 0.1  # ParScale's aggregation weights w <- (1 - e) w + e / P (the paper's e)
+
+
+class ParScale(nn.Module):
+    """ParScale (Chen et al. 2025, "Parallel Scaling Law for Language Models"): P copies of an
+    n = 1 HD model's pass on the same tokens, the same weights, as P batch rows. Copy p differs by
+    its prefix: at every layer `prefix` learned key and value rows that each of its queries sees
+    besides the causal keys (prefix tuning, as the paper: the rows sit ahead of the keys, no RoPE).
+    No copy sees another's keys (where HD's F and L layers mix its streams). Each copy's final
+    state is normed; the dynamic weighted sum mixes them, weights softmax(MLP(the P states
+    concatenated)) over P (Linear(P C, C), SiLU, Linear(C, P)), smoothed by SMOOTHING; the head
+    runs once. Added parameters: 2 x layers x P x prefix x kv_heads x head_dim, and the MLP's.
+    The start: the copies are equal but for their prefixes, and the prefix values start at 0, so
+    each copy is the n = 1 model but for the attention mass its prefix keys draw (keys N(0, 0.02));
+    any convex mix of equal copies is that copy. So the start is as close to n = 1 as the prefix's
+    rows are few: PREFIX = 2, the most rows whose start was within 0.001 of n = 1's held-out loss
+    on the default run's backbone (+0.0006 at P = 4; 3 rows +0.0016, 4 +0.003, the paper's 48,
+    here 3/4 of a sequence's keys, +0.057). With caches (decoding): one generate.make_caches for
+    the P x B rows."""
+
+    def __init__(self, model, copies, prefix=PREFIX):
+        super().__init__()
+        if type(model) is not HiddenDecoding or model.cfg.n_streams != 1:
+            what = f"n_streams {model.cfg.n_streams}" if type(model) is HiddenDecoding else type(model).__name__
+            raise ValueError(f"ParScale takes an n = 1 HiddenDecoding (hd.py), got {what}"[:200])
+        for name, v, top in (("copies", copies, 1024), ("prefix", prefix, model.cfg.block_size)):
+            if not is_int(v) or not 1 <= v <= top:
+                raise ValueError(f"ParScale's {name} must be an int in [1, {top}], got {v!r}"[:200])
+        try:  # the size rule: P copies keep what a batch of P sequences keeps
+            check_fits(model.cfg, batch=copies)
+        except ValueError as e:
+            raise ValueError(f"ParScale P = {copies}: {e}") from None
+        cfg = model.cfg
+        self.model, self.copies, self.prefix = model, copies, prefix
+        shape = (cfg.n_layer, copies, cfg.n_kv_head, prefix, cfg.head_dim)
+        self.prefix_k = nn.Parameter(torch.randn(shape) * 0.02)
+        self.prefix_v = nn.Parameter(torch.zeros(shape))
+        C = cfg.n_embd
+        self.aggregate = nn.Sequential(nn.Linear(copies * C, C), nn.SiLU(), nn.Linear(C, copies))
+        for layer in (self.aggregate[0], self.aggregate[2]):
+            nn.init.normal_(layer.weight, std=0.02)
+            nn.init.zeros_(layer.bias)
+
+    @property
+    def backbone(self):
+        return self.model.backbone  # the trainer's router-bias update reads it
+
+    @property
+    def cfg(self):
+        return self.model.cfg
+
+    def forward(self, idx, targets=None, caches=None):
+        m, P = self.model, self.copies
+        check_tokens(idx, targets, m.cfg.vocab_size)
+        B, T = idx.shape
+        rows = idx.repeat(P, 1)  # copy-major: row p * B + b is copy p of sequence b
+        plans = m.plans(rows, caches)
+        plans = [replace(plan, mask=self.prefixed(plan.mask, i, T, idx.device),
+                         cache=Prefixed(self.prefix_k[i], self.prefix_v[i], B, None if caches is None else caches[i]))
+                 for i, plan in enumerate(plans)]
+        h = m.backbone.norm_f(m.backbone.run_blocks(m.embed(rows), plans)).view(P, B, T, -1)
+        w = torch.softmax(upcast(self.aggregate(h.permute(1, 2, 0, 3).flatten(2))), dim=-1)  # (B, T, P)
+        w = (1 - SMOOTHING) * w + SMOOTHING / P
+        logits = m.backbone.lm_head((w.permute(2, 0, 1)[..., None] * h).sum(0).to(h.dtype))
+        loss = None if targets is None else F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten(),
+                                                            ignore_index=-1)
+        return logits, loss
+
+    def prefixed(self, mask, i, T, device):
+        """Layer i's mask (one of moe.attend's forms) as a dense one with the prefix's rows first,
+        every query seeing them; None (a decode step: every key) stays None."""
+        if mask is None:
+            return None
+        if isinstance(mask, str):  # "causal": T new rows, no cached ones
+            mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        elif isinstance(mask, BlockMask):  # uncached on CUDA: the same mask, dense
+            t = torch.arange(T, device=device)
+            mask = dense_mask(layer_mask(self.model.cfg, i), t, t)
+        return torch.cat([mask.new_ones(*mask.shape[:-1], self.prefix), mask], dim=-1)
+
+
+class Prefixed:
+    """ParScale's K/V for one layer: the copies' prefix rows (P, Hkv, prefix, hd), each repeated
+    over B sequences, ahead of the keys the layer made (and of those its cache holds)."""
+
+    def __init__(self, k, v, B, cache):
+        self.k, self.v, self.B, self.cache = k, v, B, cache
+
+    def update(self, k, v):
+        if self.cache is not None:
+            k, v = self.cache.update(k, v)
+        pk, pv = (p.to(k.dtype).repeat_interleave(self.B, dim=0) for p in (self.k, self.v))
+        return torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+
+
 def training_flops(model, stage):
     """The training FLOPs of `stage` on `model` (the formula of this file's docstring)."""
     return flops.per_token(model, stage.block) * stage.steps * stage.batch * stage.block
 
 
-HD_COMPUTE = Effect("hd-compute", "HD: the continuation's compute spent three ways (more streams, more data, looping)",
+HD_COMPUTE = Effect("hd-compute", "HD: the continuation's compute spent four ways (more streams, more data, looping, "
+                    "parallel copies)",
                     "HD argues for its streams against looped (recurrent-depth) transformers on cost and practicality "
                     "(HD §1, §3), not on quality at equal compute; this project's comparison")
 FLOPS = "continuation training FLOPs"
@@ -111,9 +212,12 @@ def streams_arm(n):
     return protocols.hd_cont_arm(n)
 
 
-STEPS = (0.5, 1.5, 2, 3, 4)  # n = 1 continued for these multiples of the continuation's steps (1x: the control)
+STEPS = (0.5, 1.5, 2, 4)  # n = 1 continued for these multiples of the continuation's steps (1x: the control)
 EFFECTIVE = "effective compute"  # the FLOPs n = 1 needs to reach the arm's loss by more steps, over the arm's FLOPs
 EPOCHS = "epochs of the train split"  # the backbone's steps and the arm's, each a batch x block tokens
+LATE = Effect("hd-compute-late", f"HD's compute, late: the same from n = 1 after {max(STEPS):g}x the steps more (the "
+              "early regime's longest arm), without the loop and ParScale",
+              "HD grows n from a converged checkpoint (HD §2.3); this project's comparison")
 
 
 def steps_arm(k):
@@ -124,34 +228,57 @@ def looped_arm(k):
     return Arm(f"n1-looped{k}", f"n=1 looped x{k} (the whole stack, shared weights, gated)")
 
 
+def parscale_arm(k):
+    return Arm(f"parscale{k}", f"ParScale P={k} (n=1 run {k}x in parallel, prefixes, weighted sum)")
+
+
 def hd_compute(preset, ctx, seed, data):
-    """The n = 1 backbone, then from it on the same batches: n = 1 continued for 0.5x to 4x the
-    steps (STEPS, each its own schedule; 1x is the control), and for each k of --hd_ns past 1 (2, 4)
-    HD n = k and the n = 1 stack looped x k (gated, from the n = 1 function). Each arm's held-out
-    loss and accuracy, its FLOPs as run, and (not the steps arms) its effective compute: the FLOPs
-    n = 1 needs to reach the arm's loss on this seed's curve of more steps, over the arm's."""
+    """Two regimes, one seed. Early: the n = 1 backbone (--hd_base_iters steps), then from it on
+    the same batches n = 1 continued for 0.5x to 4x the steps (STEPS, each its own schedule; 1x is
+    the control), and for each k of --hd_ns past 1 (2, 4) HD n = k, the n = 1 stack looped x k
+    (gated) and ParScale P = k. Late: from where the longest steps arm ended (n = 1 after
+    max(STEPS) x the continuation's steps more), the same control, HD arms and curve of more steps
+    (LATE: no loop, no ParScale, for time). Each arm's held-out loss and accuracy, its FLOPs as
+    run, and (not the steps arms) its effective compute: the FLOPs n = 1 needs to reach the arm's
+    loss on this seed's curve of more steps in its regime, over the arm's."""
     base = protocols.hd_backbone(preset, ctx, seed, data, "hd-compute")
+    ks, stage = preset.hd_ns[1:], protocols.continuation(preset)
+    rows, last = regime(HD_COMPUTE, base, preset.hd_base_iters, preset, ctx, seed, data,
+                        [(looped_arm(k), lambda m, k=k: Looped(m, k)) for k in ks]
+                        + [(parscale_arm(k), lambda m, k=k: ParScale(m, k)) for k in ks])
+    late, _ = regime(LATE, last, preset.hd_base_iters + longest(stage).steps, preset, ctx, seed, data, [])
+    return rows + late
+
+
+def longest(stage):
+    return replace(stage, steps=max(1, round(max(STEPS) * stage.steps)))
+
+
+def regime(effect, start, done, preset, ctx, seed, data, others):
+    """One regime's arms from the n = 1 model `start`, trained for `done` steps (the batches the
+    arms read from): HD n for each of --hd_ns (n = 1, the control), n = 1 for each of STEPS x the
+    continuation's steps, and `others` [(arm, the model made from an n = 1 copy)]. Returns the
+    rows and the longest steps arm's model, as trained."""
     stage = protocols.continuation(preset)
-    after_base = dict(first_batch=preset.hd_base_iters)
-    ks = preset.hd_ns[1:]
-    arms = [(streams_arm(n), expand_streams(base, n), stage) for n in preset.hd_ns]
-    arms += [(steps_arm(k), expand_streams(base, 1), replace(stage, steps=max(1, round(k * stage.steps))))
+    arms = [(streams_arm(n), expand_streams(start, n), stage) for n in preset.hd_ns]
+    arms += [(steps_arm(k), expand_streams(start, 1), replace(stage, steps=max(1, round(k * stage.steps))))
              for k in STEPS]
-    arms += [(looped_arm(k), Looped(expand_streams(base, 1), k), stage) for k in ks]
-    rows, runs = [], {}
+    arms += [(arm, make(expand_streams(start, 1)), stage) for arm, make in others]
+    rows, runs, last = [], {}, None
     for arm, model, arm_stage in arms:
         model = model.to(ctx.device)
-        train(f"hd-compute/{arm.label}", model, lm_loss, data, arm_stage, ctx, seed, **after_base)
+        train(f"{effect.id}/{arm.label}", model, lm_loss, data, arm_stage, ctx, seed, first_batch=done)
         metrics = evaluate(model, data, preset, ctx)
         runs[arm] = (training_flops(model, arm_stage), metrics["loss"])
-        seen = (preset.hd_base_iters + arm_stage.steps) * arm_stage.batch * arm_stage.block / len(data.split["train"])
-        rows += result_rows(HD_COMPUTE, arm, seed, {**metrics, FLOPS: runs[arm][0],
-                                                     **({EPOCHS: seen} if arm.id.startswith("n1-steps") else {})})
+        seen = (done + arm_stage.steps) * arm_stage.batch * arm_stage.block / len(data.split["train"])
+        rows += result_rows(effect, arm, seed, {**metrics, FLOPS: runs[arm][0],
+                                                **({EPOCHS: seen} if arm.id.startswith("n1-steps") else {})})
+        last = model if arm == steps_arm(max(STEPS)) else last
     curve = [runs[a] for a in runs if a == N1 or a.id.startswith("n1-steps")]
     for arm, (f, loss) in runs.items():
         if arm != N1 and not arm.id.startswith("n1-steps"):
-            rows += result_rows(HD_COMPUTE, arm, seed, {EFFECTIVE: effective_compute(curve, loss, f)})
-    return rows
+            rows += result_rows(effect, arm, seed, {EFFECTIVE: effective_compute(curve, loss, f)})
+    return rows, last
 
 
 def effective_compute(curve, loss, spent):
@@ -188,27 +315,35 @@ def loss_claim(name, arm, baseline):
 
 def claims(ns):
     """For each k of --hd_ns past 1, the largest first: HD n = k against the gated loop x k (the
-    same parameters and tokens; as run n = k spends less), and n = k's compute worth more than
-    more steps (its effective compute above 1)."""
+    same parameters and tokens; as run n = k spends less), against ParScale P = k (parallel copies
+    of the same backbone), and n = k's compute worth more than more steps (its effective compute
+    above 1); then, late, n = k against the control and its effective compute above 1."""
     return [c for k in reversed(ns[1:]) for c in (
         loss_claim(f"HD compute: n={k} beats n=1 looped x{k} (the same parameters and tokens)", streams_arm(k),
                    looped_arm(k)),
+        loss_claim(f"HD compute: n={k} beats ParScale P={k} (the same backbone, {k} parallel copies)", streams_arm(k),
+                   parscale_arm(k)),
         Claim(f"HD compute: n={k}'s compute is worth more than more steps (effective compute > 1)", HD_COMPUTE,
+              streams_arm(k), baseline=1.0, metric=EFFECTIVE, sign=1))] + [c for k in reversed(ns[1:]) for c in (
+        Claim(f"HD compute, late: n={k} beats the n=1 control", LATE, streams_arm(k), baseline=N1, metric="loss",
+              sign=-1),
+        Claim(f"HD compute, late: n={k}'s compute is worth more than more steps (effective compute > 1)", LATE,
               streams_arm(k), baseline=1.0, metric=EFFECTIVE, sign=1))]
 
 
 def ways(ns):
-    """The figure's three lines, each through the n = 1 control."""
+    """The figure's four lines, each through the n = 1 control."""
     return {"more streams (HD)": [N1] + [streams_arm(k) for k in ns[1:]],
             "more steps (repeated data)": sorted([N1] + [steps_arm(k) for k in STEPS],
                                                  key=lambda a: 1 if a == N1 else float(a.id[8:])),
-            "looping, gated (recurrent depth)": [N1] + [looped_arm(k) for k in ns[1:]]}
+            "looping, gated (recurrent depth)": [N1] + [looped_arm(k) for k in ns[1:]],
+            "parallel copies (ParScale)": [N1] + [parscale_arm(k) for k in ns[1:]]}
 
 
 def plot(summary, out_dir, ns):
     """What HD's compute buys (lab/compute.py): each arm's held-out loss minus the n = 1 control's,
     paired by seed, with its 95% interval (t over the seeds), against the arm's continuation FLOPs
-    as run; the three ways of spending compute as three lines from the control (0 at its FLOPs)."""
+    as run; the four ways of spending compute as four lines from the control (0 at its FLOPs)."""
     pts = {}  # arm -> metric -> {seed: value}
     for s in summary:
         if s["effect"] == HD_COMPUTE.name:

@@ -17,7 +17,9 @@ counted is what the model runs, not the weights it has:
   TaH's duo-causal pairs (query (i, d) sees (j, k) for j <= i, k <= d);
 - the LM head on the rows that run it (HD: the final stream's; TaH: every pass's), TaH's
   next-pass input (the top-k softmax times the embedding table: a (V, C) product per row);
-- a looped model's passes (lab/compute.Looped: the blocks `loops` times, the head once).
+- a looped model's passes (lab/compute.Looped: the blocks `loops` times, the head once);
+- ParScale's copies (lab/compute.ParScale: the blocks on P rows a token, each query seeing its
+  copy's prefix rows too; the aggregation MLP once a token, the head once).
 """
 
 if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
@@ -45,8 +47,9 @@ def per_token(model, T, passes=1):
 def parts(model, T, passes=1):
     """per_token in two parts: "weights" (every matmul with a weight, the head included) and
     "attention" (the mask's pairs), training FLOPs per token each."""
-    inner = getattr(model, "model", model)  # lab/compute.Looped wraps the model it loops
-    loops = getattr(model, "loops", 1)
+    inner = getattr(model, "model", model)  # lab/compute's Looped and ParScale wrap an n = 1 model
+    loops = getattr(model, "loops", 1) * getattr(model, "copies", 1)  # passes, or copies, of the blocks a token
+    prefix = getattr(model, "prefix", 0)  # ParScale's prefix rows: keys every query sees
     body = inner if isinstance(inner, Transformer) else inner.backbone
     cfg = body.cfg
     if hasattr(cfg, "max_depth"):
@@ -59,8 +62,10 @@ def parts(model, T, passes=1):
         folded = final_only and attention_path(cfg, i, True, CPU) == "fold"  # an I layer's streams run apart:
         kv_rows = 1 if folded else n  # its keys, the final stream's own
         matmuls += weights(block, cfg, 1 if final_only else n, kv_rows)
-        attention += 4 * cfg.n_head * cfg.head_dim * pairs(cfg, i, n, T, final_only) / T
+        attention += 4 * cfg.n_head * cfg.head_dim * (pairs(cfg, i, n, T, final_only) / T + prefix)
     head = 2 * body.lm_head.weight.numel() * (n if getattr(cfg, "objective", "final") == "all" else 1)
+    if hasattr(model, "aggregate"):  # ParScale's weighted sum: its MLP's matrices once a token
+        head += sum(2 * p.numel() for p in model.aggregate.parameters() if p.ndim == 2)
     return {"weights": 3 * (loops * matmuls + head), "attention": 3 * loops * attention}
 
 

@@ -94,10 +94,108 @@ def test_looped_decoding_with_a_cache_per_pass_is_the_full_forward():
     torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
 
 
+class Ahead:
+    """K/V rows (Hkv, m, hd) put ahead of a layer's keys for one sequence (a ParScale copy's prefix)."""
+
+    def __init__(self, k, v):
+        self.k, self.v = k, v
+
+    def update(self, k, v):
+        return torch.cat([self.k.expand(k.size(0), -1, -1, -1), k], 2), torch.cat([self.v.expand(v.size(0), -1, -1, -1), v], 2)
+
+
+def parscale_by_hand(ps, idx):
+    """Each copy alone: the blocks in a plain loop, each layer's dense mask with the prefix's m
+    columns in front (every query sees them), the copy's prefix rows ahead of its keys; then the
+    weights softmax(W2 silu(W1 [h_1 .. h_P] + b1) + b2), smoothed, and the head on the weighted sum."""
+    model, P, m = ps.model, ps.copies, ps.prefix
+    body, t = model.backbone, torch.arange(idx.size(1))
+    states = []
+    for p in range(P):
+        saved, y = {}, model.tables[0](idx)
+        for i, block in enumerate(body.blocks):
+            mask = torch.cat([torch.ones(len(t), m, dtype=torch.bool), dense_mask(layer_mask(model.cfg, i), t, t)], 1)
+            kv_u = saved.pop(block.mirror_source) if block.mirror_source is not None else None
+            y, u = block(y, t, mask, kv_u=kv_u, cache=Ahead(ps.prefix_k[i, p], ps.prefix_v[i, p]))
+            if i in body.sources:
+                saved[i] = u
+        states.append(body.norm_f(y))
+    a0, a2 = ps.aggregate[0], ps.aggregate[2]
+    scores = torch.nn.functional.silu(torch.cat(states, -1) @ a0.weight.T + a0.bias) @ a2.weight.T + a2.bias
+    w = 0.9 * torch.softmax(scores, -1) + 0.1 / P
+    return body.lm_head(sum(w[..., p:p + 1] * states[p] for p in range(P)))
+
+
+def trained_like(ps, seed=1):
+    """ParScale's new weights set to random values (as training leaves them), so every copy differs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for w in (ps.prefix_k, ps.prefix_v, *ps.aggregate.parameters()):
+            w.copy_(torch.randn(w.shape, generator=g) * 0.5)
+    return ps
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("impl", ["fast", "dense"])
+def test_parscale_is_p_copies_each_with_its_prefix_mixed_by_the_weighted_sum(P, impl):
+    ps = trained_like(compute.ParScale(n1_model(attn_impl=impl), P, prefix=3))
+    idx = torch.randint(61, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(ps(idx)[0], parscale_by_hand(ps, idx), atol=1e-5, rtol=1e-5)
+
+
+def test_parscale_decoding_with_one_cache_for_the_copies_is_the_full_forward():
+    from generate import make_caches
+    ps = trained_like(compute.ParScale(n1_model(), 3))
+    idx = torch.randint(61, (2, 9))
+    with torch.no_grad():
+        full = ps(idx)[0]
+        caches = make_caches(ps.model)
+        got = [ps(idx[:, :5], caches=caches)[0]] + [ps(idx[:, t:t + 1], caches=caches)[0] for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(got, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_parscale_starts_as_one_copy_and_its_prefixes_and_aggregator_train():
+    """Copies with equal prefixes are one copy, whatever the weights (a convex mix of equal states):
+    P = 3 gives P = 1's logits. At its start (prefix values 0) ParScale is near n = 1 (its prefix
+    keys draw a little attention mass: the measured start is in the docstring); the prefixes and
+    the aggregator get gradients and move under a step of AdamW."""
+    model = n1_model()
+    idx, y = torch.randint(61, (2, 10)), torch.randint(61, (2, 10))
+    one, three = compute.ParScale(model, 1), trained_like(compute.ParScale(model, 3))
+    with torch.no_grad():
+        three.prefix_k.copy_(one.prefix_k.expand_as(three.prefix_k))
+        three.prefix_v.copy_(one.prefix_v.expand_as(three.prefix_v))
+        torch.testing.assert_close(three(idx)[0], one(idx)[0], atol=1e-5, rtol=1e-5)
+        start = compute.ParScale(model, 4)(idx, y)[1]
+        assert abs(start.item() - model(idx, y)[1].item()) < 0.01
+    ps = compute.ParScale(model.train(), 4)
+    before = [w.detach().clone() for w in (ps.prefix_k, ps.prefix_v, *ps.aggregate.parameters())]
+    opt = torch.optim.AdamW(ps.parameters(), lr=1e-2)
+    ps(idx, y)[1].backward()
+    news = (ps.prefix_k, ps.prefix_v, *ps.aggregate.parameters())
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in news)
+    opt.step()
+    assert all(not torch.equal(w, b) for w, b in zip(news, before))
+
+
+def test_parscale_refuses_what_it_cannot_run():
+    model = n1_model()
+    for bad in (expand_streams(model, 2), object(), compute.ParScale(model, 2), model.backbone):
+        with pytest.raises(ValueError, match="ParScale takes an n = 1 HiddenDecoding"):
+            compute.ParScale(bad, 2)
+    for copies in (0, -1, True, 2.0, "2", 1025):
+        with pytest.raises(ValueError, match=r"copies must be an int in \[1, 1024\]"):
+            compute.ParScale(model, copies)
+    for prefix in (0, 2.5, False, 25):
+        with pytest.raises(ValueError, match=r"prefix must be an int in \[1, 24\]"):
+            compute.ParScale(model, 2, prefix)
+
+
 def flop_models():
     """Models whose FLOPs per token are counted as they run: HD n = 1, 2, 4 with the KV-mirror skip,
     n = 4 without it, a layout with every letter and shared-KV I layers, the objective "all",
-    looped x1 and x3, the plain backbone, TaH at one pass and at two, TaH-3 at three; routed experts dispatched by
+    looped x1 and x3, ParScale P = 2 and 4, the plain backbone, TaH at one pass and at two, TaH-3 at three; routed experts dispatched by
     the reference loop (each expert on exactly its rows)."""
     torch.manual_seed(0)
     hd = dict(vocab_size=61, block_size=24, n_layer=6, n_embd=32, n_head=4, n_kv_head=2, head_dim=16, n_experts=4,
@@ -113,6 +211,7 @@ def flop_models():
                                                                 shared_kv=True)), {}),
         "HD n=2, objective all": (HiddenDecoding(HDConfig(**hd, n_streams=2, objective="all")), {}),
         "looped x1": (compute.Looped(n1, 1), {}), "looped x3": (compute.Looped(n1, 3), {}),
+        "ParScale P=2": (compute.ParScale(n1, 2), {}), "ParScale P=4, 3 prefix rows": (compute.ParScale(n1, 4, 3), {}),
         "backbone": (Transformer(ModelConfig(**{k: v for k, v in hd.items() if k not in ("layout", "window")})), {}),
         "TaH standard": (tah, dict(mode="standard")), "TaH always": (tah, dict(mode="always")),
         "TaH-3 always": (ThinkAtHard(TaHConfig(vocab_size=61, block_size=24, n_layer=3, n_embd=32, n_head=2,
@@ -159,7 +258,8 @@ def test_the_flops_of_attention_are_the_pairs_each_layers_mask_allows(name):
             mod = layer_mask(cfg, i) if isinstance(inner, HiddenDecoding) else (lambda b, h, q, kv: kv <= q)
             queries = range(n - 1, n * T, n) if skip is not None and i >= skip else range(n * T)
             allowed += sum(bool(mod(0, 0, torch.tensor(q), torch.tensor(kv))) for q in queries for kv in range(n * T))
-        allowed *= getattr(model, "loops", 1)
+            allowed += T * getattr(model, "prefix", 0)  # ParScale: each query sees its copy's prefix rows
+        allowed *= getattr(model, "loops", 1) * getattr(model, "copies", 1)
     want = 3 * 4 * cfg.n_head * cfg.head_dim * allowed / T
     got = flops.parts(model, T, getattr(cfg, "max_depth", 1) if kw.get("mode") == "always" else 1)["attention"]
     assert got == pytest.approx(want, rel=1e-12)
@@ -214,9 +314,11 @@ def test_the_suite_trains_the_arms_of_hd_ns_and_judges_their_claims(tmp_path):
     tt.main(["--smoke", "--suite", "hd-compute", "--hd_ns", "1,3", "--seeds", "1", "--jobs", "1",
              "--hd_base_iters", "2", "--hd_cont_iters", "2", "--out", str(tmp_path)])
     rows = json.loads(next(tmp_path.glob("run-*/rows.json")).read_text())["rows"]
-    arms = {r["arm_id"] for r in rows if r["suite"] == "hd-compute"}
+    arms = {(r["effect_id"], r["arm_id"]) for r in rows if r["suite"] == "hd-compute"}
     steps = {f"n1-steps{k:g}" for k in compute.STEPS}  # the curve of more steps, whatever --hd_ns
-    assert arms == {"n1-continued", "n3-continued", "n1-looped3"} | steps, arms
+    early, late = compute.HD_COMPUTE.id, compute.LATE.id
+    assert arms == {(early, a) for a in {"n1-continued", "n3-continued", "n1-looped3", "parscale3"} | steps} | {
+        (late, a) for a in {"n1-continued", "n3-continued"} | steps}, arms
     said = {v["claim"] for v in json.loads((tmp_path / "results.json").read_text())["verdicts"]}
     assert {c.name for c in compute.claims((1, 3))} <= said and not any("n=4" in c or "x4" in c for c in said), said
 
@@ -244,7 +346,7 @@ def test_the_figure_plots_each_arms_paired_difference_from_the_control_against_i
 
 
 def test_every_arm_of_the_suite_trains_compiled(tmp_path, monkeypatch):
-    """--compile runs every arm, the looped ones too (a Looped model compiles whole, like HD): dynamo
+    """--compile runs every arm, the looped and ParScale ones too (each compiles whole, like HD): dynamo
     traces each fullgraph (backend "eager" here, for the time; inductor's kernels are torch's)."""
     import json
     import train_tiny as tt
@@ -254,7 +356,7 @@ def test_every_arm_of_the_suite_trains_compiled(tmp_path, monkeypatch):
              "--hd_cont_iters", "2", "--out", str(tmp_path)])
     rows = json.loads(next(tmp_path.glob("run-*/rows.json")).read_text())["rows"]
     assert {r["arm_id"] for r in rows} == {"n1-continued", "n2-continued", "n4-continued", "n1-looped2",
-                                           "n1-looped4"} | {f"n1-steps{k:g}" for k in compute.STEPS}
+                                           "n1-looped4", "parscale2", "parscale4"} | {f"n1-steps{k:g}" for k in compute.STEPS}
 
 
 def test_effective_compute_reads_the_flops_n1_needs_off_its_curve_in_log_flops():
@@ -273,10 +375,11 @@ def test_effective_compute_reads_the_flops_n1_needs_off_its_curve_in_log_flops()
 
 
 def test_the_suites_wiring_every_arm_from_the_backbone_on_the_control_batches_each_on_its_own_schedule(monkeypatch):
-    """hd_compute with a train that moves the weights in place (as training does): every arm still
-    starts from the backbone's weights (a copy each, not one another arm trained), on the control's
-    seed and first batch; each steps arm's stage spans its own steps (0.5x to 4x), the rest the
-    control's; the effective compute rows read each seed's curve."""
+    """hd_compute with a train that moves the weights in place (as training does): every early arm
+    starts from the backbone's weights (a copy each, not one another arm trained), every late arm
+    from the longest steps arm's weights as trained, each regime on its control's seed and first
+    batch; each steps arm's stage spans its own steps (0.5x to 4x), the rest the control's; the
+    effective compute rows read each seed's curve in their regime."""
     import train_tiny as tt
     from dataclasses import replace as with_fields
     preset = with_fields(tt.PRESETS["smoke"], hd_base_iters=2, hd_cont_iters=8)
@@ -285,7 +388,7 @@ def test_the_suites_wiring_every_arm_from_the_backbone_on_the_control_batches_ea
     started = {}
 
     def train(name, model, loss, data, stage, ctx, seed, first_batch):
-        body = model.model if isinstance(model, compute.Looped) else model
+        body = model.model if isinstance(model, (compute.Looped, compute.ParScale)) else model
         started[name] = (body.backbone.lm_head.weight.sum().item(), stage, seed, first_batch)
         with torch.no_grad():
             for w in model.parameters():
@@ -296,15 +399,20 @@ def test_the_suites_wiring_every_arm_from_the_backbone_on_the_control_batches_ea
     data = type("Text", (), {"split": {"train": torch.zeros(1000)}})()
     rows = compute.hd_compute(preset, trainer_ctx(), 3, data)
     want = base.backbone.lm_head.weight.sum().item()  # the backbone as trained, before any arm
+    longest = want + base.backbone.lm_head.weight.numel()  # the 4x arm's, after its one (in-place) training
     steps = preset.hd_cont_iters
     for name, (start, stage, seed, first) in started.items():
-        assert start == pytest.approx(want) and seed == 3 and first == preset.hd_base_iters, name
+        late = name.startswith(compute.LATE.id + "/")
+        assert start == pytest.approx(longest if late else want), name
+        assert seed == 3 and first == preset.hd_base_iters + (4 * steps if late else 0), name
         k = next((k for k in compute.STEPS if name.endswith(f"{k:g}x the steps (repeated data)")), 1)
         assert stage.steps == max(1, round(k * steps)), (name, stage)
-    assert len(started) == len(preset.hd_ns) + len(compute.STEPS) + len(preset.hd_ns) - 1
-    effective = [r for r in rows if r["metric"] == compute.EFFECTIVE]
-    assert {r["arm_id"] for r in effective} == {f"n{k}-continued" for k in preset.hd_ns[1:]} | {
-        f"n1-looped{k}" for k in preset.hd_ns[1:]}
+    ks = len(preset.hd_ns) - 1
+    assert len(started) == 2 * (len(preset.hd_ns) + len(compute.STEPS)) + 2 * ks
+    effective = {(r["effect_id"], r["arm_id"]) for r in rows if r["metric"] == compute.EFFECTIVE}
+    hd = {f"n{k}-continued" for k in preset.hd_ns[1:]}
+    assert effective == {(compute.HD_COMPUTE.id, a) for a in hd | {f"n1-looped{k}" for k in preset.hd_ns[1:]} | {
+        f"parscale{k}" for k in preset.hd_ns[1:]}} | {(compute.LATE.id, a) for a in hd}
 
 
 def trainer_ctx():
