@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from generate import TaHCache, compiled_step, generate_tah, graphed_step, lora_merged, make_caches
 from hd import HDConfig, HiddenDecoding, expand_streams, fold, full, intra, local, unfold
 from lab.compute import Looped, ParScale
-from moe import GATHER_ROWS, MoE, ModelConfig, attend, attend_folded, dense_mask
+from moe import GATHER_ROWS, MoE, ModelConfig, attend, attend_folded, dense_mask, dispatch as moe_dispatch
 from tah import LoRALinear, TaHConfig, ThinkAtHard
 
 
@@ -705,7 +705,7 @@ def moe_dispatch_rows(rows_list, device, repeats, width=64, E=8, k=2):
             r = timeit({d: (lambda m=m: m(x)) for d, m in ms.items()}, repeats, device)
         auto = MoE(ModelConfig(n_embd=width, expert_hidden=width, n_experts=E, top_k=k))
         rows.append([N, N * k, *(f"{r[d] * 1e6:.0f}" for d in ms), min(r, key=r.get),
-                     auto.dispatch(N, x.dtype, device)])
+                     moe_dispatch(auto, N, x.dtype, device)])
     show(f"4h. The MoE layer alone ({E} experts, top-{k}, width {width}, forward): time per dispatch "
          f"(eager, auto gathers up to moe.GATHER_ROWS = {GATHER_ROWS} (token, k) pairs)", rows,
          ["rows", "(token, k) pairs", "gather (us)", "masked (us)", "grouped_mm (us)", "loop (us)", "fastest",

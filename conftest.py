@@ -15,7 +15,15 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
-FAST = settings(max_examples=25, deadline=None)  # a property over drawn shapes, each example a forward or two
+
+
+def examples(n):
+    """The tests' hypothesis settings, defined here once: n drawn examples, no deadline (a forward
+    or two each, whose time varies with the machine); the CI profile above draws them derandomized."""
+    return settings(max_examples=n, deadline=None)
+
+
+FAST = examples(25)  # a property over drawn shapes, each example a forward or two
 
 HERE = Path(__file__).resolve().parent
 
@@ -131,9 +139,9 @@ def smoke_run(tmp_path_factory):
     import trainer
     out, stages, real = tmp_path_factory.mktemp("smoke"), [], trainer.train
 
-    def counting(name, model, loss_fn, data, stage, ctx, seed, on_step=None, **kw):
+    def counting(name, model, loss_fn, data, stage, *, ctx, seed, on_step=None, **kw):
         stages.append((name, stage.steps))
-        return real(name, model, loss_fn, data, stage, ctx, seed, on_step, **kw)
+        return real(name, model, loss_fn, data, stage, ctx=ctx, seed=seed, on_step=on_step, **kw)
     with pytest.MonkeyPatch.context() as mp:
         patch_train(mp, counting)
         tt.main(SMOKE + ["--out", str(out)])
@@ -147,8 +155,10 @@ def suite_run(name, preset, ctx, seed, data, ablations):
 
 
 def suite_ctx(tmp_path):
+    """A run's context as lab/runner.py makes it: checkpoints kept, FLOPs counted."""
     import trainer
-    return trainer.Context(tmp_path, log_every=100, ckpt_every=100)
+    from lab import files, flops
+    return trainer.Context(tmp_path, log_every=100, ckpt_every=100, checkpoints=files.Checkpoints(), flops=flops.per_token)
 
 
 if __name__ == "__main__":

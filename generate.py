@@ -5,8 +5,11 @@ The serving side, kept apart from the methods as gpt-fast keeps its generate.py 
 its model.py: this file imports moe.py, hd.py and tah.py; they never import it. A model's
 forward reads a cache through `len(cache)` and `cache.update(k, v)` only (TaH's through the
 few calls its training cache `tah.DepthKV` lists, with the same update per layer), so the
-caches here are plain buffers:
+caches here are plain buffers. In the order of this file:
 
+- `generate` (moe, HD: each new token enters as its n stream rows in one step, the final
+  stream's logits pick the next token, HD §3.2) and `generate_tah` (the decider sets each new
+  token's depth, TaH §4.2), after `sample`; `lora_merged` runs the depth adapter as one matmul.
 - `KVCache`: one layer's keys and values, allocated once at the first write and written in
   place, so a step writes its new rows and attention reads a view of the rows so far.
 - `WindowCache`: a sliding-window (L) layer's ring of its last `window` rows, as Mistral's
@@ -16,14 +19,11 @@ caches here are plain buffers:
   layer its window; the others all n rows of each token).
 - `TaHCache`: the calls of tah.DepthKV over preallocated buffers, with its (position, depth,
   exists) lookups.
-- `generate` (moe, HD: each new token enters as its n stream rows in one step, the final
-  stream's logits pick the next token, HD §3.2) and `generate_tah` (the decider sets each new
-  token's depth, TaH §4.2), with `lora_merged` running the depth adapter as one matmul.
-- `compiled_step(model)`: `generate(..., compile=True)`'s one compiled decode step per model
-  (torch.compile, fullgraph, dynamic), as gpt-fast compiles its decode_one_token.
-- `StaticCache` and `graphed_step`: `generate(..., cuda_graph=True)`, the decode step captured once
-  as a CUDA graph and replayed: caches read whole, the step's start a tensor (moe.cache_start);
-  `StaticTaHCache` does the same per depth for `generate_tah(..., cuda_graph=True)`.
+- Speed, last: `compiled_step(model)`, `generate(..., compile=True)`'s one compiled decode step
+  per model (torch.compile, fullgraph, dynamic), as gpt-fast compiles its decode_one_token;
+  `StaticCache` and `graphed_step`, `generate(..., cuda_graph=True)`: the decode step captured
+  once as a CUDA graph and replayed, caches read whole, the step's start a tensor
+  (moe.cache_start); `StaticTaHCache` does the same per depth for `generate_tah(..., cuda_graph=True)`.
 
 Run `python generate.py` to decode with the three untrained models.
 """
@@ -39,6 +39,118 @@ from checks import (MAX_INT, check_buffer, check_caches, check_generation, check
 from hd import HiddenDecoding
 from moe import Transformer, upcast
 from tah import ThinkAtHard
+
+
+# -----------------------------------------------------------------------------
+# Decoding: sampling, HD's and the backbone's loop, TaH's loop
+
+
+def sample(logits, temperature=1.0, sample_top_k=None, generator=None):
+    """One token id per row of logits (B, V), as a (B, 1) tensor; temperature 0 is greedy;
+    sample_top_k keeps the k largest logits (the sampling cut-off, not the MoE's top_k)."""
+    check_logits(logits)
+    check_sampling(temperature, sample_top_k, logits.size(-1))
+    check_generator(generator)
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = upcast(logits) / temperature
+    if sample_top_k is not None:
+        kth = torch.topk(logits, sample_top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None, compile=False,
+             cuda_graph=False):
+    """Sample max_new_tokens after idx (B, T) with a KV cache per layer (moe.Transformer,
+    hd.HiddenDecoding). The prompt runs as one forward, then one forward per new token.
+    compile: the per-token forwards run compiled (compiled_step; the first call compiles, for
+    about a minute on a CPU); the prompt runs eager. cuda_graph (CUDA): the per-token forward is
+    captured once as a CUDA graph over static caches and replayed (graphed_step). Same tokens as
+    eager under greedy decoding, up to float rounding."""
+    check_lm(model)
+    check_decoding(model, idx, max_new_tokens, temperature, sample_top_k, generator, compile, cuda_graph)
+    caches = make_caches(model, static=cuda_graph)
+    step = compiled_step(model) if compile else model
+    B, T = idx.shape
+    out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # the tokens, written in place
+    logits, _ = model(idx, caches=caches)
+    if cuda_graph and max_new_tokens > 1:
+        step = graphed_step(model, caches, B)
+    for t in range(T, T + max_new_tokens):
+        out[:, t:t + 1] = token = sample(logits[:, -1], temperature, sample_top_k, generator)
+        if t + 1 < T + max_new_tokens:  # the last token is returned, not fed
+            logits, _ = step(token, caches=caches)  # a tensor of its own, not a view of out
+    return out
+
+
+@torch.no_grad()
+def generate_tah(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None, mode="decider",
+                 compile=False, cuda_graph=False):
+    """Token-by-token decoding of a ThinkAtHard; the decider (or "standard"/"always") sets each
+    token's depth. Returns (tokens (B, T + new), passes of every token that entered the model
+    (B, T + new - 1)). compile: each pass runs compiled (ThinkAtHard.compile_passes, for this
+    call), the loop between passes eager. cuda_graph (CUDA): each depth's pass of every batch row
+    replayed as a CUDA graph (StaticTaHCache), the loop between passes eager."""
+    check_tah(model, "generate_tah")
+    check_decoding(model, idx, max_new_tokens, temperature, sample_top_k, generator, compile, cuda_graph)
+    if mode == "oracle":
+        raise ValueError("generate cannot use mode 'oracle': it needs the reference labels of unseen tokens")
+    was = model.passes_compiled
+    try:
+        return tah_decode(model.compile_passes(compile or was), idx, max_new_tokens, temperature, sample_top_k,
+                          generator, mode, cuda_graph)
+    finally:
+        model.compile_passes(was)
+
+
+def check_decoding(model, idx, max_new_tokens, temperature, sample_top_k, generator, compile, cuda_graph):
+    """generate's and generate_tah's arguments: the prompt and sampling, and the two speed flags."""
+    check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
+    check_generator(generator)
+    for name, flag in (("compile", compile), ("cuda_graph", cuda_graph)):
+        if flag is not True and flag is not False:
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    if cuda_graph and (compile or idx.device.type != "cuda"):
+        raise ValueError("cuda_graph=True takes a model and tokens on a CUDA device, without compile")
+
+
+def tah_decode(model, idx, max_new_tokens, temperature, sample_top_k, generator, mode, cuda_graph=False):
+    """generate_tah's loop: the prompt in one forward, then one forward per new token."""
+    B, T = idx.shape
+    cache = StaticTaHCache(model, B, idx.device, graphed=True) if cuda_graph else TaHCache(model, B, idx.device)
+    tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # written in place
+    depths = torch.zeros(B, T + max(max_new_tokens - 1, 0), dtype=torch.long, device=idx.device)
+    with lora_merged(model):
+        out = model(idx, mode=mode, cache=cache)
+        depths[:, :T] = out.depths
+        for t in range(T, T + max_new_tokens):
+            tokens[:, t:t + 1] = sample(out.logits[:, -1], temperature, sample_top_k, generator)
+            if t + 1 < T + max_new_tokens:
+                out = model(tokens[:, t:t + 1], mode=mode, cache=cache)
+                depths[:, t] = out.depths[:, 0]
+    return tokens, depths
+
+
+@contextmanager
+def lora_merged(model):
+    """Within: each of a ThinkAtHard's adapters runs merged into its weight, W + (alpha / r) B A
+    (LoRALinear.merged), one matmul where it would take three. For decoding, where the weights
+    hold still."""
+    check_tah(model, "lora_merged")
+    with torch.no_grad():
+        for m in model.loras:
+            m.merged = torch.addmm(m.base.weight, m.B, m.A, alpha=m.scale)
+    try:
+        yield
+    finally:
+        for m in model.loras:
+            m.merged = None
+
+
+# -----------------------------------------------------------------------------
+# The caches: plain buffers, written in place
 
 
 class KVCache:
@@ -109,33 +221,6 @@ class WindowCache(KVCache):
         return keys, values
 
 
-class StaticCache(KVCache):
-    """gpt-fast's static cache, for a decode step replayed as a CUDA graph: every one of `capacity`
-    rows is returned at every step (the layer's causal mask hides the rows not yet written), and the
-    rows written are counted on the device (`written`, read by moe.cache_start), so that no shape
-    and no host number the step reads changes from one step to the next. A sliding-window layer
-    keeps every row too: its window is its mask's."""
-    static = True
-
-    def __init__(self, capacity, window=None):
-        super().__init__(capacity)
-        if window is not None and not (is_int(window) and window >= 1):
-            raise ValueError(f"window must be None or an int >= 1 (its layer's mask's window), got {window!r}")
-        self.window, self.written, self.step_rows = window, None, 0
-
-    def update(self, k, v):
-        T = self.check_room(k, v)
-        if self.k is None:
-            self.k, self.v = self.allocate(k, self.capacity)
-            self.written = torch.zeros((), dtype=torch.long, device=k.device)
-        rows = self.written + torch.arange(T, device=k.device)
-        self.k.index_copy_(2, rows, k)
-        self.v.index_copy_(2, rows, v)
-        self.written += T
-        self.len, self.step_rows = self.len + T, T  # the host's count, for the checks
-        return self.k, self.v
-
-
 def check_lm(model):
     if isinstance(model, ThinkAtHard) or not isinstance(model, (Transformer, HiddenDecoding)):
         raise ValueError(f"make_caches and generate take a moe.Transformer or hd.HiddenDecoding, got "
@@ -195,6 +280,93 @@ class TaHCache:
         for buf, x in zip(self.lookups, (pos, depth, valid)):
             self.write(buf, x, 1)
         self.len += pos.size(1)
+
+
+class TaHLayerCache:
+    """One layer of a TaHCache: moe's update(k, v), into the slots of the pass add() opened;
+    its K/V buffers are allocated at the first write, when their shape is known."""
+
+    def __init__(self, owner):
+        self.owner, self.k, self.v = owner, None, None
+
+    def update(self, k, v):
+        o = self.owner
+        if self.k is None:
+            shape = (o.batch, k.size(1), o.capacity, k.size(3))
+            check_buffer((2, *shape), k.dtype, k.device, "a TaH cache layer's keys and values")
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+        o.write(self.k, k, 2)
+        o.write(self.v, v, 2)
+        k, v = self.k[:, :, :o.len], self.v[:, :, :o.len]
+        return (k, v) if o.rows is None else (k.index_select(0, o.rows), v.index_select(0, o.rows))
+
+
+def check_tah(model, name):
+    if not isinstance(model, ThinkAtHard):
+        raise ValueError(f"{name} takes a tah.ThinkAtHard, got {type(model).__name__}" +
+                         (": use generate and make_caches" * isinstance(model, (Transformer, HiddenDecoding))))
+
+
+# -----------------------------------------------------------------------------
+# Speed: the compiled decode step, and CUDA graphs over static caches
+
+
+_compiled_steps = weakref.WeakKeyDictionary()  # model -> its compiled decode step
+
+
+def compiled_step(model):
+    """The model's forward compiled for decode steps, once per model (gpt-fast compiles its
+    decode_one_token the same way). fullgraph: the whole step is one graph, or compiling fails.
+    dynamic: the rows a cache holds are a symbolic size, so one graph serves every step. (The
+    other way, gpt-fast's, reads the whole preallocated buffer under a mask with the position
+    as a tensor: a read that grows with the capacity rather than the rows written, and every
+    mask and check rewritten on tensors. Here the caches stay plain buffers read by length.)"""
+    if model not in _compiled_steps:
+        compiled = torch.compile(model, fullgraph=True, dynamic=True)
+
+        def step(idx, caches):
+            check_step(model, idx, caches)
+            return compiled(idx, caches=caches)
+        _compiled_steps[model] = step
+    return _compiled_steps[model]
+
+
+def check_step(model, idx, caches):
+    """What the forward checks first, run eagerly before the compiled step: inside it a full cache
+    surfaces as dynamo's "Observed exception", and an id past the vocabulary (CPU; on CUDA no value
+    is read) as an index error naming generated code."""
+    check_tokens(idx, None, model.cfg.vocab_size)
+    per_token = getattr(model, "kv_rows_per_token", lambda i: 1)
+    window = getattr(model, "kv_window", lambda i: None)
+    start = check_caches(caches, model.cfg.n_layer, model.cfg.block_size, per_token, window)
+    check_length(start, idx.size(1), model.cfg.block_size)
+
+
+class StaticCache(KVCache):
+    """gpt-fast's static cache, for a decode step replayed as a CUDA graph: every one of `capacity`
+    rows is returned at every step (the layer's causal mask hides the rows not yet written), and the
+    rows written are counted on the device (`written`, read by moe.cache_start), so that no shape
+    and no host number the step reads changes from one step to the next. A sliding-window layer
+    keeps every row too: its window is its mask's."""
+    static = True
+
+    def __init__(self, capacity, window=None):
+        super().__init__(capacity)
+        if window is not None and not (is_int(window) and window >= 1):
+            raise ValueError(f"window must be None or an int >= 1 (its layer's mask's window), got {window!r}")
+        self.window, self.written, self.step_rows = window, None, 0
+
+    def update(self, k, v):
+        T = self.check_room(k, v)
+        if self.k is None:
+            self.k, self.v = self.allocate(k, self.capacity)
+            self.written = torch.zeros((), dtype=torch.long, device=k.device)
+        rows = self.written + torch.arange(T, device=k.device)
+        self.k.index_copy_(2, rows, k)
+        self.v.index_copy_(2, rows, v)
+        self.written += T
+        self.len, self.step_rows = self.len + T, T  # the host's count, for the checks
+        return self.k, self.v
 
 
 class StaticTaHCache(TaHCache):
@@ -267,77 +439,6 @@ class StaticTaHCache(TaHCache):
         return graph, (x, q_pos, valid), out
 
 
-class TaHLayerCache:
-    """One layer of a TaHCache: moe's update(k, v), into the slots of the pass add() opened;
-    its K/V buffers are allocated at the first write, when their shape is known."""
-
-    def __init__(self, owner):
-        self.owner, self.k, self.v = owner, None, None
-
-    def update(self, k, v):
-        o = self.owner
-        if self.k is None:
-            shape = (o.batch, k.size(1), o.capacity, k.size(3))
-            check_buffer((2, *shape), k.dtype, k.device, "a TaH cache layer's keys and values")
-            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
-        o.write(self.k, k, 2)
-        o.write(self.v, v, 2)
-        k, v = self.k[:, :, :o.len], self.v[:, :, :o.len]
-        return (k, v) if o.rows is None else (k.index_select(0, o.rows), v.index_select(0, o.rows))
-
-
-def check_tah(model, name):
-    if not isinstance(model, ThinkAtHard):
-        raise ValueError(f"{name} takes a tah.ThinkAtHard, got {type(model).__name__}" +
-                         (": use generate and make_caches" * isinstance(model, (Transformer, HiddenDecoding))))
-
-
-def sample(logits, temperature=1.0, sample_top_k=None, generator=None):
-    """One token id per row of logits (B, V), as a (B, 1) tensor; temperature 0 is greedy;
-    sample_top_k keeps the k largest logits (the sampling cut-off, not the MoE's top_k)."""
-    check_logits(logits)
-    check_sampling(temperature, sample_top_k, logits.size(-1))
-    check_generator(generator)
-    if temperature == 0:
-        return logits.argmax(-1, keepdim=True)
-    logits = upcast(logits) / temperature
-    if sample_top_k is not None:
-        kth = torch.topk(logits, sample_top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-
-
-_compiled_steps = weakref.WeakKeyDictionary()  # model -> its compiled decode step
-
-
-def compiled_step(model):
-    """The model's forward compiled for decode steps, once per model (gpt-fast compiles its
-    decode_one_token the same way). fullgraph: the whole step is one graph, or compiling fails.
-    dynamic: the rows a cache holds are a symbolic size, so one graph serves every step. (The
-    other way, gpt-fast's, reads the whole preallocated buffer under a mask with the position
-    as a tensor: a read that grows with the capacity rather than the rows written, and every
-    mask and check rewritten on tensors. Here the caches stay plain buffers read by length.)"""
-    if model not in _compiled_steps:
-        compiled = torch.compile(model, fullgraph=True, dynamic=True)
-
-        def step(idx, caches):
-            check_step(model, idx, caches)
-            return compiled(idx, caches=caches)
-        _compiled_steps[model] = step
-    return _compiled_steps[model]
-
-
-def check_step(model, idx, caches):
-    """What the forward checks first, run eagerly before the compiled step: inside it a full cache
-    surfaces as dynamo's "Observed exception", and an id past the vocabulary (CPU; on CUDA no value
-    is read) as an index error naming generated code."""
-    check_tokens(idx, None, model.cfg.vocab_size)
-    per_token = getattr(model, "kv_rows_per_token", lambda i: 1)
-    window = getattr(model, "kv_window", lambda i: None)
-    start = check_caches(caches, model.cfg.n_layer, model.cfg.block_size, per_token, window)
-    check_length(start, idx.size(1), model.cfg.block_size)
-
-
 @torch.no_grad()
 def graphed_step(model, caches, B):
     """The decode step of B rows captured once as a CUDA graph over static caches (StaticCache),
@@ -376,96 +477,6 @@ def graphed_step(model, caches, B):
             c.len += c.step_rows
         return logits, None
     return step
-
-
-@torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None, compile=False,
-             cuda_graph=False):
-    """Sample max_new_tokens after idx (B, T) with a KV cache per layer (moe.Transformer,
-    hd.HiddenDecoding). The prompt runs as one forward, then one forward per new token.
-    compile: the per-token forwards run compiled (compiled_step; the first call compiles, for
-    about a minute on a CPU); the prompt runs eager. cuda_graph (CUDA): the per-token forward is
-    captured once as a CUDA graph over static caches and replayed (graphed_step). Same tokens as
-    eager under greedy decoding, up to float rounding."""
-    check_lm(model)
-    check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
-    check_generator(generator)
-    for name, flag in (("compile", compile), ("cuda_graph", cuda_graph)):
-        if flag is not True and flag is not False:
-            raise ValueError(f"{name} must be True or False, got {flag!r}")
-    if cuda_graph and (compile or idx.device.type != "cuda"):
-        raise ValueError("cuda_graph=True takes a model and tokens on a CUDA device, without compile")
-    caches = make_caches(model, static=cuda_graph)
-    step = compiled_step(model) if compile else model
-    B, T = idx.shape
-    out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # the tokens, written in place
-    logits, _ = model(idx, caches=caches)
-    if cuda_graph and max_new_tokens > 1:
-        step = graphed_step(model, caches, B)
-    for t in range(T, T + max_new_tokens):
-        out[:, t:t + 1] = token = sample(logits[:, -1], temperature, sample_top_k, generator)
-        if t + 1 < T + max_new_tokens:  # the last token is returned, not fed
-            logits, _ = step(token, caches=caches)  # a tensor of its own, not a view of out
-    return out
-
-
-@contextmanager
-def lora_merged(model):
-    """Within: each of a ThinkAtHard's adapters runs merged into its weight, W + (alpha / r) B A
-    (LoRALinear.merged), one matmul where it would take three. For decoding, where the weights
-    hold still."""
-    check_tah(model, "lora_merged")
-    with torch.no_grad():
-        for m in model.loras:
-            m.merged = torch.addmm(m.base.weight, m.B, m.A, alpha=m.scale)
-    try:
-        yield
-    finally:
-        for m in model.loras:
-            m.merged = None
-
-
-@torch.no_grad()
-def generate_tah(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, generator=None, mode="decider",
-                 compile=False, cuda_graph=False):
-    """Token-by-token decoding of a ThinkAtHard; the decider (or "standard"/"always") sets each
-    token's depth. Returns (tokens (B, T + new), passes of every token that entered the model
-    (B, T + new - 1)). compile: each pass runs compiled (ThinkAtHard.compile_passes, for this
-    call), the loop between passes eager. cuda_graph (CUDA): each depth's pass of every batch row
-    replayed as a CUDA graph (StaticTaHCache), the loop between passes eager."""
-    check_tah(model, "generate_tah")
-    check_generation(idx, max_new_tokens, temperature, sample_top_k, model.cfg)
-    check_generator(generator)
-    if mode == "oracle":
-        raise ValueError("generate cannot use mode 'oracle': it needs the reference labels of unseen tokens")
-    for name, flag in (("compile", compile), ("cuda_graph", cuda_graph)):
-        if flag is not True and flag is not False:
-            raise ValueError(f"{name} must be True or False, got {flag!r}")
-    if cuda_graph and (compile or idx.device.type != "cuda"):
-        raise ValueError("cuda_graph=True takes a model and tokens on a CUDA device, without compile")
-    was = model.passes_compiled
-    try:
-        return tah_decode(model.compile_passes(compile or was), idx, max_new_tokens, temperature, sample_top_k,
-                          generator, mode, cuda_graph)
-    finally:
-        model.compile_passes(was)
-
-
-def tah_decode(model, idx, max_new_tokens, temperature, sample_top_k, generator, mode, cuda_graph=False):
-    """generate_tah's loop: the prompt in one forward, then one forward per new token."""
-    B, T = idx.shape
-    cache = StaticTaHCache(model, B, idx.device, graphed=True) if cuda_graph else TaHCache(model, B, idx.device)
-    tokens = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # written in place
-    depths = torch.zeros(B, T + max(max_new_tokens - 1, 0), dtype=torch.long, device=idx.device)
-    with lora_merged(model):
-        out = model(idx, mode=mode, cache=cache)
-        depths[:, :T] = out.depths
-        for t in range(T, T + max_new_tokens):
-            tokens[:, t:t + 1] = sample(out.logits[:, -1], temperature, sample_top_k, generator)
-            if t + 1 < T + max_new_tokens:
-                out = model(tokens[:, t:t + 1], mode=mode, cache=cache)
-                depths[:, t] = out.depths[:, 0]
-    return tokens, depths
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ class ModelConfig:
     balance_gamma:  step size of the loss-free balancing update of the router bias.
     moe_dispatch:   how rows reach their experts: "gather", "masked" (static shapes, which
                     torch.compile takes whole), "grouped_mm", "loop" (sorted by expert), or
-                    "auto" (MoE.dispatch).
+                    "auto" (dispatch, with the fast paths).
     kv_mirror:      KV-Mirror: layer n_layer-1-j takes K/V inputs from layer j < n_layer // 3.
     norm_eps:       epsilon of every RMSNorm.
     """
@@ -276,9 +276,9 @@ class MoE(nn.Module):
             self.step_load += self.last_load
         dev = x.device.type
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        mode = self.dispatch(x.size(0), dt, dev)
+        mode = dispatch(self, x.size(0), dt, dev)
         if mode != "loop":  # the same sum by a faster route (the fast paths, at the end of the file)
-            y = self.fast_experts(x, idx, weights, counts, mode, dt)
+            y = fast_experts(self, x, idx, weights, counts, mode, dt)
         else:  # the reference: the (token, k) pairs sorted by expert, each expert on its run of rows
             order = idx.flatten().argsort(stable=True)
             token = order // self.cfg.top_k
@@ -302,68 +302,6 @@ class MoE(nn.Module):
         self.bias += gamma * torch.sign(load.mean() - load)
         self.step_load.zero_()
         return load
-
-    # -- fast paths of the same sum (forward's reference is the loop) ------------------
-
-    def dispatch(self, N, dt, dev):
-        """The moe_dispatch that runs N rows. "auto": compiled or recorded for a CUDA graph, gather
-        for a decode step's few rows (on CUDA while it moves fewer bytes than masked), else masked;
-        eagerly gather for a decode step's few rows, else grouped_mm where torch has it for these
-        inputs, else loop (bench.py 4h)."""
-        mode = self.cfg.moe_dispatch
-        if mode != "auto":
-            return mode
-        if static_step(torch.device(dev)):  # compiled or a CUDA graph: static shapes, no host read
-            pairs = N * self.cfg.top_k  # on CUDA gather copies each pair's expert weights (written, then read)
-            # where masked reads every expert's once: gather while that moves fewer bytes; on the CPU the
-            # weights stay in cache and gather pays up to COMPILED_GATHER_ROWS pairs (bench.py 4g)
-            few = 2 * pairs < self.cfg.n_experts if dev == "cuda" else pairs <= COMPILED_GATHER_ROWS
-            return "gather" if few else "masked"
-        if N * self.cfg.top_k <= GATHER_ROWS:
-            return "gather"
-        aligned = all(n * dt.itemsize % 16 == 0 for n in (self.cfg.n_embd, self.cfg.expert_hidden))
-        ok = hasattr(F, "grouped_mm") and (dt != torch.float64 if dev == "cpu" else dt == torch.bfloat16)
-        return "grouped_mm" if aligned and ok else "loop"
-
-    def gathered(self, x, idx):
-        """Static shapes: row n runs its k chosen experts as one batched matmul over their
-        gathered weights, (N, k, 1, C) @ (N, k, C, 2I). Returns (N, k, C), in float32 at least
-        (autocast off): each pair's weight gradient is an outer product of its own, summed into
-        the expert's after the gather, which float16 cannot hold where the loop's matmul can."""
-        with torch.autocast(x.device.type, enabled=False):
-            x = upcast(x)
-            w_gate_up, w_down = self.w_gate_up.to(x.dtype), self.w_down.to(x.dtype)  # cast whole, then gathered
-            g, u = (x[:, None, None] @ w_gate_up[idx]).chunk(2, dim=-1)
-            return ((F.silu(g) * u) @ w_down[idx]).squeeze(2)
-
-    def masked(self, x, idx, weights):
-        """Static shapes for many rows: every expert on every row as two matmuls, (N, C) @ (C, E*2I)
-        and (N, E*I) @ (E*I, C), each expert's hidden scaled by its weight. An unchosen expert's
-        hidden is selected away before the nonlinearity (exactly 0, its gradient too: an inf
-        there, times 0, would make NaN); the weights keep their own dtype, float32 at least, so
-        their gradient, a sum over the hidden units, does not overflow in float16."""
-        E, C, I = self.cfg.n_experts, self.cfg.n_embd, self.cfg.expert_hidden
-        h = (x @ self.w_gate_up.to(x.dtype).transpose(0, 1).reshape(C, 2 * E * I)).view(-1, E, 2 * I)
-        chosen = torch.zeros(x.size(0), E, dtype=torch.bool, device=x.device).scatter(1, idx, True)
-        g, u = torch.where(chosen[..., None], h, 0).chunk(2, dim=-1)
-        combine = torch.zeros(x.size(0), E, dtype=weights.dtype, device=x.device).scatter(1, idx, weights)
-        act = (F.silu(g) * u * combine[..., None]).reshape(-1, E * I)
-        return act.to(x.dtype) @ self.w_down.to(x.dtype).reshape(E * I, C)
-
-    def fast_experts(self, x, idx, weights, counts, mode, dt):
-        """forward's expert sum by a faster route than the reference's loop, in compute dtype dt:
-        gather (static shapes, a decode step's few rows), masked (static shapes, many rows: what
-        torch.compile and CUDA graphs take), grouped_mm (the reference's sort, one grouped matmul)."""
-        if mode == "gather":
-            return (self.gathered(x.to(dt), idx) * weights[..., None]).sum(1)
-        if mode == "masked":
-            return self.masked(x.to(dt), idx, weights)
-        order = idx.flatten().argsort(stable=True)
-        token = order // self.cfg.top_k
-        offs = counts.cumsum(0).to(torch.int32)
-        g, u = F.grouped_mm(x[token].to(dt), self.w_gate_up.to(dt), offs=offs).chunk(2, dim=-1)
-        ys = F.grouped_mm((F.silu(g) * u).contiguous(), self.w_down.to(dt), offs=offs) * weights.flatten()[order, None]
-        return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
 
 
 # -----------------------------------------------------------------------------
@@ -475,6 +413,70 @@ class Transformer(nn.Module):
 
 GATHER_ROWS = 4  # auto, eager: (token, k) pairs up to which gather beats sorting by expert (bench.py 4h)
 COMPILED_GATHER_ROWS = 128  # auto, compiled on the CPU: up to a batch-16 n = 4 decode step's pairs (bench.py 4g)
+
+
+def dispatch(m, N, dt, dev):
+    """The moe_dispatch that runs N rows of the MoE layer m (its forward's expert sum). "auto":
+    compiled or recorded for a CUDA graph, gather for a decode step's few rows (on CUDA while it
+    moves fewer bytes than masked), else masked; eagerly gather for a decode step's few rows, else
+    grouped_mm where torch has it for these inputs, else loop (bench.py 4h)."""
+    mode = m.cfg.moe_dispatch
+    if mode != "auto":
+        return mode
+    if static_step(torch.device(dev)):  # compiled or a CUDA graph: static shapes, no host read
+        pairs = N * m.cfg.top_k  # on CUDA gather copies each pair's expert weights (written, then read)
+        # where masked reads every expert's once: gather while that moves fewer bytes; on the CPU the
+        # weights stay in cache and gather pays up to COMPILED_GATHER_ROWS pairs (bench.py 4g)
+        few = 2 * pairs < m.cfg.n_experts if dev == "cuda" else pairs <= COMPILED_GATHER_ROWS
+        return "gather" if few else "masked"
+    if N * m.cfg.top_k <= GATHER_ROWS:
+        return "gather"
+    aligned = all(n * dt.itemsize % 16 == 0 for n in (m.cfg.n_embd, m.cfg.expert_hidden))
+    ok = hasattr(F, "grouped_mm") and (dt != torch.float64 if dev == "cpu" else dt == torch.bfloat16)
+    return "grouped_mm" if aligned and ok else "loop"
+
+
+def gathered(m, x, idx):
+    """Static shapes: row n runs its k chosen experts as one batched matmul over their
+    gathered weights, (N, k, 1, C) @ (N, k, C, 2I). Returns (N, k, C), in float32 at least
+    (autocast off): each pair's weight gradient is an outer product of its own, summed into
+    the expert's after the gather, which float16 cannot hold where the loop's matmul can."""
+    with torch.autocast(x.device.type, enabled=False):
+        x = upcast(x)
+        w_gate_up, w_down = m.w_gate_up.to(x.dtype), m.w_down.to(x.dtype)  # cast whole, then gathered
+        g, u = (x[:, None, None] @ w_gate_up[idx]).chunk(2, dim=-1)
+        return ((F.silu(g) * u) @ w_down[idx]).squeeze(2)
+
+
+def masked(m, x, idx, weights):
+    """Static shapes for many rows: every expert on every row as two matmuls, (N, C) @ (C, E*2I)
+    and (N, E*I) @ (E*I, C), each expert's hidden scaled by its weight. An unchosen expert's
+    hidden is selected away before the nonlinearity (exactly 0, its gradient too: an inf
+    there, times 0, would make NaN); the weights keep their own dtype, float32 at least, so
+    their gradient, a sum over the hidden units, does not overflow in float16."""
+    E, C, I = m.cfg.n_experts, m.cfg.n_embd, m.cfg.expert_hidden
+    h = (x @ m.w_gate_up.to(x.dtype).transpose(0, 1).reshape(C, 2 * E * I)).view(-1, E, 2 * I)
+    chosen = torch.zeros(x.size(0), E, dtype=torch.bool, device=x.device).scatter(1, idx, True)
+    g, u = torch.where(chosen[..., None], h, 0).chunk(2, dim=-1)
+    combine = torch.zeros(x.size(0), E, dtype=weights.dtype, device=x.device).scatter(1, idx, weights)
+    act = (F.silu(g) * u * combine[..., None]).reshape(-1, E * I)
+    return act.to(x.dtype) @ m.w_down.to(x.dtype).reshape(E * I, C)
+
+
+def fast_experts(m, x, idx, weights, counts, mode, dt):
+    """forward's expert sum by a faster route than the reference's loop, in compute dtype dt:
+    gather (static shapes, a decode step's few rows), masked (static shapes, many rows: what
+    torch.compile and CUDA graphs take), grouped_mm (the reference's sort, one grouped matmul)."""
+    if mode == "gather":
+        return (gathered(m, x.to(dt), idx) * weights[..., None]).sum(1)
+    if mode == "masked":
+        return masked(m, x.to(dt), idx, weights)
+    order = idx.flatten().argsort(stable=True)
+    token = order // m.cfg.top_k
+    offs = counts.cumsum(0).to(torch.int32)
+    g, u = F.grouped_mm(x[token].to(dt), m.w_gate_up.to(dt), offs=offs).chunk(2, dim=-1)
+    ys = F.grouped_mm((F.silu(g) * u).contiguous(), m.w_down.to(dt), offs=offs) * weights.flatten()[order, None]
+    return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
 
 
 def sdpa(q, k, v, mask, is_causal=False):

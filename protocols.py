@@ -6,23 +6,104 @@ judges every claim: Hidden Decoding's expansion factor n, continued from one n =
 A protocol is protocol(preset, ctx, seed, data) -> (rows, trained): `preset` the budget
 (train_tiny.Preset), ctx the run's context (trainer.Context), data the task (tasks.py). Every arm
 trains from the same seed on the same batches and is evaluated on the held-out set; each result
-is a row (lab/report.py's result_rows: effect, arm, metric, seed, value). `trained` is what
-`--suite all`'s extra arms (lab/ablations.py) and the probes (lab/inside.py) build on.
+is a row (result_rows, below: effect, arm, metric, seed, value). `trained` is what `--suite all`'s
+extra arms (lab/ablations.py) and the probes (lab/inside.py) build on: this file imports nothing
+of lab/, which hangs off it.
 """
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, field
 from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 
 from hd import HDConfig, HiddenDecoding, expand_streams
-from lab import inside
-from lab.report import Arm, Claim, Effect, finite_reals, interval95, result_rows
 from tah import TaHConfig, ThinkAtHard, oracle_depths
 from tasks import answer_exact
 from trainer import Stage, batch_gen, evaluate, finite_loss, train
+
+# -----------------------------------------------------------------------------
+# The rows: an arm's results in one effect, one row per metric and seed; claims match on the ids
+
+
+@dataclass(frozen=True)
+class Effect:
+    """One comparison of the report, with the paper's figure it is set against. `id` is what
+    claims match rows on; `name` is the caption, free to change."""
+    id: str
+    name: str
+    paper: str
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm of an effect: `id` is what claims match rows on; `label` is what the tables show."""
+    id: str
+    label: str
+
+
+def result_rows(effect, arm, seed, metrics):
+    """One row per metric of one arm's results in one seed."""
+    if not (isinstance(effect, Effect) and isinstance(arm, Arm)):
+        raise TypeError(f"result_rows takes an Effect and an Arm, got {type(effect).__name__} and {type(arm).__name__}")
+    return [dict(effect=effect.name, effect_id=effect.id, paper=effect.paper, arm=arm.label, arm_id=arm.id, metric=m,
+                 seed=seed, value=v) for m, v in metrics.items()]
+
+
+@dataclass
+class Claim:
+    """The paper says `arm` differs from `baseline` (another Arm, or a target number) in `metric`
+    with sign `sign` (+1: higher)."""
+    name: str
+    effect: Effect
+    arm: Arm
+    _: KW_ONLY
+    baseline: object
+    metric: str
+    sign: int
+    margin: float = 0.0  # a non-inferiority claim: the arm may fall short of the baseline by this much
+
+    def __post_init__(self):
+        if not (isinstance(self.effect, Effect) and isinstance(self.arm, Arm)
+                and isinstance(self.baseline, (Arm, int, float))):
+            raise TypeError(f"claim {self.name!r}: an Effect, an Arm and a baseline Arm or number, got "
+                            f"{type(self.effect).__name__}, {type(self.arm).__name__}, {type(self.baseline).__name__}")
+
+
+def finite_reals(values, name):
+    """values as a 1-D float array, or one line saying why they are not finite reals."""
+    if isinstance(values, np.ndarray):
+        ok = values.ndim == 1 and values.dtype.kind in "fiu"
+    else:
+        ok = isinstance(values, (list, tuple)) and all(
+            isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) for v in values)
+    if not ok or not np.all(np.isfinite(np.asarray(values, dtype=float))):
+        raise ValueError(f"{name} must be finite real numbers in one dimension, got {values!r}")
+    if len(values) == 0:
+        raise ValueError(f"{name} is empty: there is nothing to judge")
+    return np.asarray(values, dtype=float)
+
+
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+        29: 2.045, 30: 2.042}  # Student's t, 97.5% quantile, by degrees of freedom
+
+
+def interval95(deltas):
+    """The 95% interval of the mean paired difference (Student's t), or None under 2 seeds."""
+    d = np.asarray(deltas, dtype=float)
+    if len(d) < 2 or not np.all(np.isfinite(d)):
+        return None
+    return t_interval(d.mean(), d.std(ddof=1), len(d))
+
+
+def t_interval(mean, std, n):
+    """mean ± the t quantile (n - 1 degrees of freedom) times std / sqrt(n)."""
+    half = T975.get(n - 1, 1.96) * std / np.sqrt(n)
+    return float(mean - half), float(mean + half)
+
 
 # -----------------------------------------------------------------------------
 # The rule: a claim is an arm against a baseline in one metric with the paper's sign, judged on
@@ -117,7 +198,7 @@ def hd_backbone(preset, ctx, seed, data, tag):
     torch.manual_seed(seed)
     base = HiddenDecoding(hd_config(preset, data.vocab_size, 1)).to(ctx.device)
     stage = Stage(preset.hd_base_iters, preset.lr, warmup=preset.warmup, batch=preset.batch, block=preset.block)
-    train(f"{tag}/backbone n=1", base, lm_loss, data, stage, ctx, seed)
+    train(f"{tag}/backbone n=1", base, lm_loss, data, stage, ctx=ctx, seed=seed)
     return base
 
 
@@ -137,32 +218,26 @@ class HDTrained:
 
 def hd_protocol(preset, ctx, seed, data):
     """HD's continued-pretraining protocol (§2.3, §4): an n = 1 backbone, continued as each n of
-    preset.hd_ns (n = 1: the control) on the same batches, each expanded with E_k <- E_{k mod n};
-    then the probes of HD §5.2-5.3 on each n > 1 (lab/inside.py)."""
+    preset.hd_ns (n = 1: the control) on the same batches, each expanded with E_k <- E_{k mod n}."""
     base = hd_backbone(preset, ctx, seed, data, "hd")
     rows = result_rows(HD_N, BACKBONE, seed, evaluate(base, data, preset, ctx))
     rows += result_rows(HD_N, JUST_EXPANDED, seed, evaluate(expand_streams(base, 2), data, preset, ctx))
     trained = HDTrained(base, {n: expand_streams(base, n).to(ctx.device) for n in preset.hd_ns}, {})
     for n, model in trained.models.items():
-        train(f"hd/n={n} continued", model, lm_loss, data, continuation(preset), ctx, seed,
+        train(f"hd/n={n} continued", model, lm_loss, data, continuation(preset), ctx=ctx, seed=seed,
               first_batch=preset.hd_base_iters)
         trained.metrics[n] = evaluate(model, data, preset, ctx)
         rows += result_rows(HD_N, hd_cont_arm(n), seed, trained.metrics[n])
-        if n > 1:
-            rows += inside.hd_rows(model, data.windows(ctx.eval_split, preset.block)[0], preset.batch, seed)
-    if seed == ctx.seeds[0]:  # HD Fig. 8 on the largest n, kept with the run
-        inside.save_hd_line(ctx, trained.models[max(preset.hd_ns)], data, preset.block)
     return rows, trained
 
 
 def hd_claims(ns):
-    """Each n > 1 beats n = 1, each n beats the one before it, and the probes' claims per n > 1."""
+    """Each n > 1 beats n = 1, and each n beats the one before it."""
     more = [n for n in ns if n > 1]
     return ([Claim(f"HD n={n} beats n=1 (continued from one checkpoint)", HD_N, hd_cont_arm(n),
                    baseline=hd_cont_arm(1), metric="loss", sign=-1) for n in more]
             + [Claim(f"HD gain grows with n: n={b} beats n={a}", HD_N, hd_cont_arm(b), baseline=hd_cont_arm(a),
-                     metric="loss", sign=-1) for a, b in zip(more, more[1:])]
-            + [c for n in more for c in inside.hd_claims(n)])
+                     metric="loss", sign=-1) for a, b in zip(more, more[1:])])
 
 
 # -----------------------------------------------------------------------------
@@ -241,13 +316,13 @@ def tah_base(preset, ctx, seed, data, tag, cfg):
     """The "base" model every TaH arm starts from, pretrained on the task."""
     torch.manual_seed(seed)
     base = ThinkAtHard(cfg).to(ctx.device)
-    train(f"{tag}/base", base, standard_loss, data, tah_stages(preset, data).base, ctx, seed)
+    train(f"{tag}/base", base, standard_loss, data, tah_stages(preset, data).base, ctx=ctx, seed=seed)
     return base
 
 
-def from_base(base, attention="duo"):
-    """A copy of the base model, under `attention` (TaH Table 2's ablations), to fine-tune."""
-    m = ThinkAtHard(replace(base.cfg, attention=attention)).to(next(base.parameters()).device)
+def from_base(base):
+    """A copy of the base model, to fine-tune."""
+    m = ThinkAtHard(base.cfg).to(next(base.parameters()).device)
     m.load_state_dict(base.state_dict())
     return m
 
@@ -255,13 +330,15 @@ def from_base(base, attention="duo"):
 @dataclass(kw_only=True)
 class TaHTrained:
     """What the TaH protocol hands on: the base, the fine-tuned models by name, the oracle, the
-    stages, the task and the run's context; `evaluate` runs the held-out evaluation."""
+    stages, the task and the run's context, and each routing mode's per-token outcomes on the
+    held-out set (tah_eval's); `evaluate` runs the held-out evaluation."""
     base: ThinkAtHard
     models: dict
     oracle: "Oracle"
     stages: TaHStages
     data: object
     ctx: object
+    tokens: dict = field(default_factory=dict)
 
     def evaluate(self, model, mode, threshold=None, depths=None):
         return tah_eval(model, mode, self, threshold, depths)
@@ -270,18 +347,12 @@ class TaHTrained:
         return eval_batches(self.data, self.stages, self.ctx)
 
 
-def tah_protocol(preset, ctx, seed, data, tag="tah", effects=TAH_EFFECTS, n_layer=None):
+def tah_protocol(preset, ctx, seed, data):
     """TaH's protocol (§4.3, §5) at tiny scale: a base model pretrained on the task; from it, on the
     same batches: Standard (also the oracle's reference, as the paper's SFT model), AlwaysThink
-    (2 passes for every token), TaH stage 1 (oracle depths) and stage 2 (the decider alone); then
-    what the second pass does, on lookups (lab/inside.py). tag names the suite (its checkpoints),
-    effects its rows' effects, n_layer the model's depth (default: preset.tah_layers)."""
-    trained = train_tah_arms(preset, ctx, seed, data, tag, n_layer)
-    rows = tah_routing_rows(effects, trained.models, trained.evaluate, seed)
-    if effects.inside is not None:  # what the second pass does (TaH Figs. 5, 7)
-        rows += inside.tah_rows(trained.models["tah"], trained.batches(), data, seed, effects.inside)
-        if tag == "tah" and seed == ctx.seeds[0]:
-            inside.save_tah_problem(ctx, trained.models["tah"], next(trained.batches())[0], data)
+    (2 passes for every token), TaH stage 1 (oracle depths) and stage 2 (the decider alone)."""
+    trained = train_tah_arms(preset, ctx, seed, data, "tah")
+    rows, trained.tokens = tah_routing_rows(TAH_EFFECTS, trained.models, trained.evaluate, seed)
     return rows, trained
 
 
@@ -291,9 +362,9 @@ def train_tah_arms(preset, ctx, seed, data, tag, n_layer=None):
     base = tah_base(preset, ctx, seed, data, tag, tah_config(preset, data, n_layer or preset.tah_layers))
     after_base = dict(first_batch=stages.base.steps)  # the fine-tunes read the batches after the base model's
     models = {"standard": from_base(base), "always": from_base(base), "tah": from_base(base)}
-    train(f"{tag}/Standard", models["standard"], standard_loss, data, stages.sft, ctx, seed, **after_base)
+    train(f"{tag}/Standard", models["standard"], standard_loss, data, stages.sft, ctx=ctx, seed=seed, **after_base)
     oracle = Oracle(copy.deepcopy(models["standard"]).eval().requires_grad_(False), base.cfg.max_depth, data)
-    train(f"{tag}/AlwaysThink", models["always"], always_loss, data, stages.sft, ctx, seed, **after_base)
+    train(f"{tag}/AlwaysThink", models["always"], always_loss, data, stages.sft, ctx=ctx, seed=seed, **after_base)
     train_tah(f"{tag}/TaH", models["tah"], oracle, data, stages, ctx, seed)
     return TaHTrained(base=base, models=models, oracle=oracle, stages=stages, data=data, ctx=ctx)
 
@@ -301,10 +372,10 @@ def train_tah_arms(preset, ctx, seed, data, tag, n_layer=None):
 def train_tah(name, model, oracle, data, stages, ctx, seed):
     """TaH's two stages (§4.3) from the base: stage 1 (backbone and LoRA, the oracle's depths),
     then stage 2 (the decider alone)."""
-    train(f"{name} stage 1", model, OracleLoss(oracle), data, stages.sft, ctx, seed, first_batch=stages.base.steps)
+    train(f"{name} stage 1", model, OracleLoss(oracle), data, stages.sft, ctx=ctx, seed=seed, first_batch=stages.base.steps)
     model.requires_grad_(False).decider.requires_grad_(True)  # stage 2: only the decider learns
     train(f"{name} stage 2 (decider)", model, lambda m, x, y: m.stage2_loss(x, oracle(x, y))[0],
-          data, stages.stage2, ctx, seed, first_batch=stages.base.steps + stages.sft.steps)
+          data, stages.stage2, ctx=ctx, seed=seed, first_batch=stages.base.steps + stages.sft.steps)
 
 
 class OracleLoss:
@@ -372,9 +443,10 @@ def tah_eval(model, mode, trained, threshold=None, depths=None):
 
 def tah_routing_rows(effects, models, evaluate, seed, arms=TAH_ARMS):
     """A TaH suite's rows: Standard, then each of `arms` with its revisions against Standard (the
-    decider also: its share of AlwaysThink's gain), the diagnostics, the threshold sweep."""
+    decider also: its share of AlwaysThink's gain), the threshold sweep; and each arm's routing
+    mode's per-token outcomes (for the diagnostics, lab/inside.py)."""
     std_metrics, std_tokens = evaluate(models["standard"], "standard")
-    rows, sweep = result_rows(effects.routing, STANDARD, seed, std_metrics), {"standard": std_metrics}
+    rows, sweep, outcomes = result_rows(effects.routing, STANDARD, seed, std_metrics), {"standard": std_metrics}, {}
     for arm, which, mode in [a for a in arms if a[1] in models]:
         metrics, tokens = evaluate(models[which], mode)
         # revisions against Standard's prediction of the same token (TaH Fig. 1b)
@@ -387,14 +459,15 @@ def tah_routing_rows(effects, models, evaluate, seed, arms=TAH_ARMS):
             gain = sweep["always"]["acc"] - std_metrics["acc"]
             metrics["share of AlwaysThink's gain"] = (metrics["acc"] - std_metrics["acc"]) / gain if gain > 0 \
                 else float("nan")
-        rows += result_rows(effects.routing, arm, seed, metrics) + inside.tah_diagnostics(effects, mode, tokens, seed)
+        rows += result_rows(effects.routing, arm, seed, metrics)
+        outcomes[mode] = tokens
     # the compute-accuracy trade-off (TaH Fig. 4): Standard and AlwaysThink are the end points
     for thr in (0.1, 0.3, 0.5, 0.7, 0.8, 0.95):
         sweep[thr] = evaluate(models["tah"], "decider", thr)[0]
     for key in ["standard"] + sorted(k for k in sweep if not isinstance(k, str)) + ["always"]:
         arm = {"standard": STANDARD, "always": ALWAYS}.get(key) or Arm(f"decider-{key}", f"TaH decider, threshold {key}")
         rows += result_rows(effects.sweep, arm, seed, {k: sweep[key][k] for k in ("iterated", "acc")})
-    return rows
+    return rows, outcomes
 
 
 def tah_claims(effects, task):
@@ -418,7 +491,7 @@ def tah_claims(effects, task):
     ]
 
 
-TAH_CLAIMS = tah_claims(TAH_EFFECTS, "TaH, lookups") + inside.tah_claims(TAH_EFFECTS.inside, "TaH, lookups")
+TAH_CLAIMS = tah_claims(TAH_EFFECTS, "TaH, lookups")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from generate import generate
 from hd import HiddenDecoding
 from lab.files import load_checkpoint
 from lab.presets import check_preset
+from lab.tokens import TokenCaches
 from protocols import hd_config, tah_config
 from tah import ThinkAtHard
 from train_tiny import Preset
@@ -86,7 +87,7 @@ def hd_text(preset, data, run_dir, out, seed, *, tokens, temperature, top_k):
     """`tokens` new tokens after the held-out text's first 16 (Shakespeare, or the run's --data), the
     context cropped to the model's block (nanoGPT's generate crops it the same way), half a block
     at a time."""
-    text = tasks.load_text(data, tuple(preset.plays), preset.block, out)
+    text = tasks.load_text(data, tuple(preset.plays), preset.block, TokenCaches(out))
     n = max(preset.hd_ns)
     model = load(HiddenDecoding, hd_config(preset, text.vocab_size, n), run_dir / "ckpt" / f"hd_n_{n}_continued_s{seed}.pt",
                  f"hd/n={n} continued", seed, run_dir)

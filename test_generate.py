@@ -267,6 +267,8 @@ def test_cuda_graph_tah_decoding_gives_eagers_tokens_and_passes(B, mode):
 
 
 aten = torch.ops.aten
+
+
 HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "_unique2", "unique_dim",
               "unique_consecutive"}
 
@@ -317,8 +319,8 @@ def fake_cuda_graphs(monkeypatch):
             yield
         phase[0] = "eager"
 
-    real = moe.MoE.dispatch
-    monkeypatch.setattr(moe.MoE, "dispatch", lambda self, *a: seen.append((phase[0], real(self, *a))) or seen[-1][1])
+    real = moe.dispatch
+    monkeypatch.setattr(moe, "dispatch", lambda m, *a: seen.append((phase[0], real(m, *a))) or seen[-1][1])
     for name, fake in (("Stream", Stream), ("stream", on_stream), ("current_stream", lambda device=None: Stream()),
                        ("CUDAGraph", Graph), ("graph", capture)):
         monkeypatch.setattr(torch.cuda, name, fake)
@@ -360,7 +362,7 @@ def test_every_captured_tah_pass_reads_nothing_on_the_host_and_warms_up_on_its_o
 
 
 # -----------------------------------------------------------------------------
-# moved: compiled decoding, inputs of the caches, tensors made without a device
+# Compiled decoding, and tensors made on the device asked for
 
 
 def small_models():
@@ -462,6 +464,10 @@ def test_generate_compile_must_be_a_bool():
         generate(model, torch.zeros(1, 2, dtype=torch.long), 2, compile="yes")
 
 
+# -----------------------------------------------------------------------------
+# Sizes and arguments refused before anything is allocated
+
+
 def small_hd():
     return HiddenDecoding(HDConfig(vocab_size=64, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
                                    head_dim=8, n_experts=4, expert_hidden=16, layout="IFL", window=4)).eval()
@@ -499,10 +505,6 @@ def test_a_window_cache_that_does_not_match_the_models_window_is_named():
     caches[2] = WindowCache(3, caches[2].capacity)  # layer 2 is L with window 4
     with pytest.raises(ValueError, match="cache 2 keeps the last 3 rows, layer 2 reads the last 4 rows"):
         model(torch.zeros(1, 2, dtype=torch.long), caches=caches)
-
-
-# -----------------------------------------------------------------------------
-# Sizes and arguments refused before anything is allocated
 
 
 @pytest.mark.parametrize("make, says", [

@@ -9,21 +9,20 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import moe
 from checks import FLEX_MIN_HEAD_DIM, check_flex
-from conftest import COMPILE_MODELS, CUDA, F64, compile_model, cuda, f64_batch, gradcheck_wrt
+from conftest import COMPILE_MODELS, CUDA, F64, FAST, compile_model, cuda, examples, f64_batch, gradcheck_wrt
 from generate import KVCache, WindowCache, generate, make_caches
 from hd import (HDConfig, HiddenDecoding, attention_path, expand_streams, fold, full, intra, local, shared_intra,
                 unfold)
 from moe import LayerPlan, ModelConfig, Transformer, attend, dense_mask
 from tah import TaHConfig, ThinkAtHard
 
-FAST = settings(max_examples=25, deadline=None)
 MASK_OF = {"F": lambda n, w: full, "L": lambda n, w: local(w), "I": lambda n, w: intra(n),
            "S": lambda n, w: shared_intra(n)}  # S: I with shared KV
 
@@ -263,6 +262,24 @@ def test_objectives_equal_their_definitions(objective):
     assert logits.shape == (2, 6, 61)
 
 
+def test_gradcheck_hd_intra_folded_into_the_batch():
+    torch.manual_seed(0)
+    model = HiddenDecoding(HDConfig(**{**F64, "n_experts": 0}, n_streams=3, layout="III", mirror_skip=False)).double()
+    idx, tgt = f64_batch(3)
+    for name in ("tables.1.weight", "backbone.blocks.1.attn.q_proj.weight"):
+        gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])
+
+
+def test_gradcheck_hd_kv_mirror_mirror_skip_on():
+    torch.manual_seed(0)
+    model = HiddenDecoding(HDConfig(**{**F64, "n_experts": 0}, n_streams=2, layout="IFL", window=3,
+                                    mirror_skip=True)).double()
+    assert model.cfg.mirror_skip_on
+    idx, tgt = f64_batch(4)
+    for name in ("tables.0.weight", "backbone.blocks.0.attn.k_proj.weight", "backbone.blocks.2.attn.k_proj.weight"):
+        gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])
+
+
 # -----------------------------------------------------------------------------
 # progressive expansion
 
@@ -296,6 +313,17 @@ def test_expansion_from_an_n1_backbone_checkpoint():
         load_backbone(model, {k: v for k, v in other.state_dict().items() if not k.startswith("wte")}, other.cfg)
     with pytest.raises(ValueError, match="multiple"):
         expand_streams(model, 3)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_expand_streams_keeps_dtype_and_mode(training):
+    torch.manual_seed(0)
+    model = HiddenDecoding(HDConfig(**F64, n_streams=1, layout="IFI")).double().train(training)
+    grown = expand_streams(model, 2)
+    assert all(p.dtype == torch.float64 for p in grown.parameters())
+    assert grown.training == training
+    idx, tgt = f64_batch(1)
+    assert grown(idx, tgt)[1].dtype == torch.float64
 
 
 # -----------------------------------------------------------------------------
@@ -423,7 +451,7 @@ def test_greedy_generate_equals_argmax_of_full_forwards():
 
 
 # -----------------------------------------------------------------------------
-# flex_attention
+# flex_attention, CUDA paths and compiled training
 
 
 def test_compiled_flex_forward_on_cpu_equals_dense_for_every_mask():
@@ -525,95 +553,6 @@ def test_cuda_forward_and_decode_step_never_wait_for_the_device(hd):
             model(idx[:, :1], caches=caches)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-
-
-# -----------------------------------------------------------------------------
-# bad input
-
-
-@pytest.mark.parametrize("kw, words", [
-    (dict(n_streams=0), "n_streams"),
-    (dict(layout="IF"), "layout"),
-    (dict(layout="IFX"), "layout"),
-    (dict(window=0), "window"),
-    (dict(positions="rope"), "positions"),
-    (dict(objective="mean"), "objective"),
-    (dict(attn_impl="triton"), "attn_impl"),
-    (dict(layout="FFF", shared_kv=True), "shared_kv"),
-    (dict(objective="all", mirror_skip=True), "mirror_skip"),
-    (dict(objective="sum", mirror_skip=True), "mirror_skip"),
-    (dict(kv_mirror=False, mirror_skip=True), "mirror_skip"),
-    (dict(layout=None), "layout"),
-    (dict(layout=123), "layout"),
-    (dict(n_streams=True), "n_streams"),
-    (dict(mirror_skip="on"), "mirror_skip"),
-])
-def test_bad_config_raises(kw, words):
-    with pytest.raises(ValueError, match=words):
-        hd_cfg(**kw)
-
-
-def test_too_long_sequence_raises():
-    model = HiddenDecoding(hd_cfg(block_size=8))
-    with pytest.raises(ValueError, match="block_size"):
-        model(torch.zeros(1, 9, dtype=torch.long))
-    with pytest.raises(ValueError, match="block_size"):
-        generate(model, torch.zeros(1, 5, dtype=torch.long), 4)
-
-
-def test_bad_inputs_raise_one_clear_error():
-    model = HiddenDecoding(hd_cfg())
-    V = model.cfg.vocab_size
-    with pytest.raises(ValueError, match="idx must hold ids"):
-        model(torch.full((1, 4), V))
-    with pytest.raises(ValueError, match="targets must have idx's shape"):
-        model(torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match="every target is -1"):
-        model(torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3), -1))
-    with pytest.raises(ValueError, match="integer tensor"):
-        model(torch.zeros(2, 3))
-    with pytest.raises(ValueError, match="n_new must be an int"):
-        expand_streams(model, 4.0)
-    with pytest.raises(ValueError, match="n_streams=8 contradicts n_new=4"):
-        expand_streams(model, 4, n_streams=8)
-    flex = HiddenDecoding(hd_cfg(attn_impl="flex"))
-    with pytest.raises(ValueError, match="forward only on CPU"):
-        flex(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
-    with torch.no_grad():
-        flex(torch.zeros(1, 3, dtype=torch.long))  # forward only: fine
-
-
-# -----------------------------------------------------------------------------
-# moved: float64, flex and CUDA paths, compiled training
-
-
-@pytest.mark.parametrize("training", [True, False])
-def test_expand_streams_keeps_dtype_and_mode(training):
-    torch.manual_seed(0)
-    model = HiddenDecoding(HDConfig(**F64, n_streams=1, layout="IFI")).double().train(training)
-    grown = expand_streams(model, 2)
-    assert all(p.dtype == torch.float64 for p in grown.parameters())
-    assert grown.training == training
-    idx, tgt = f64_batch(1)
-    assert grown(idx, tgt)[1].dtype == torch.float64
-
-
-def test_gradcheck_hd_intra_folded_into_the_batch():
-    torch.manual_seed(0)
-    model = HiddenDecoding(HDConfig(**{**F64, "n_experts": 0}, n_streams=3, layout="III", mirror_skip=False)).double()
-    idx, tgt = f64_batch(3)
-    for name in ("tables.1.weight", "backbone.blocks.1.attn.q_proj.weight"):
-        gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])
-
-
-def test_gradcheck_hd_kv_mirror_mirror_skip_on():
-    torch.manual_seed(0)
-    model = HiddenDecoding(HDConfig(**{**F64, "n_experts": 0}, n_streams=2, layout="IFL", window=3,
-                                    mirror_skip=True)).double()
-    assert model.cfg.mirror_skip_on
-    idx, tgt = f64_batch(4)
-    for name in ("tables.0.weight", "backbone.blocks.0.attn.k_proj.weight", "backbone.blocks.2.attn.k_proj.weight"):
-        gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])
 
 
 def hd(head_dim=16, **kw):
@@ -752,6 +691,62 @@ def test_a_block_mask_is_built_once_per_shape_and_reused_by_every_later_forward(
         b = model(idx)[0]
     assert after_first >= 1 and len(built) == after_first
     torch.testing.assert_close(a, b)
+
+
+# -----------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(n_streams=0), "n_streams"),
+    (dict(layout="IF"), "layout"),
+    (dict(layout="IFX"), "layout"),
+    (dict(window=0), "window"),
+    (dict(positions="rope"), "positions"),
+    (dict(objective="mean"), "objective"),
+    (dict(attn_impl="triton"), "attn_impl"),
+    (dict(layout="FFF", shared_kv=True), "shared_kv"),
+    (dict(objective="all", mirror_skip=True), "mirror_skip"),
+    (dict(objective="sum", mirror_skip=True), "mirror_skip"),
+    (dict(kv_mirror=False, mirror_skip=True), "mirror_skip"),
+    (dict(layout=None), "layout"),
+    (dict(layout=123), "layout"),
+    (dict(n_streams=True), "n_streams"),
+    (dict(mirror_skip="on"), "mirror_skip"),
+])
+def test_bad_config_raises(kw, words):
+    with pytest.raises(ValueError, match=words):
+        hd_cfg(**kw)
+
+
+def test_too_long_sequence_raises():
+    model = HiddenDecoding(hd_cfg(block_size=8))
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="block_size"):
+        generate(model, torch.zeros(1, 5, dtype=torch.long), 4)
+
+
+def test_bad_inputs_raise_one_clear_error():
+    model = HiddenDecoding(hd_cfg())
+    V = model.cfg.vocab_size
+    with pytest.raises(ValueError, match="idx must hold ids"):
+        model(torch.full((1, 4), V))
+    with pytest.raises(ValueError, match="targets must have idx's shape"):
+        model(torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="every target is -1"):
+        model(torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3), -1))
+    with pytest.raises(ValueError, match="integer tensor"):
+        model(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="n_new must be an int"):
+        expand_streams(model, 4.0)
+    with pytest.raises(ValueError, match="n_streams=8 contradicts n_new=4"):
+        expand_streams(model, 4, n_streams=8)
+    flex = HiddenDecoding(hd_cfg(attn_impl="flex"))
+    with pytest.raises(ValueError, match="forward only on CPU"):
+        flex(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
+    with torch.no_grad():
+        flex(torch.zeros(1, 3, dtype=torch.long))  # forward only: fine
 
 
 if __name__ == "__main__":

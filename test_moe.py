@@ -11,7 +11,7 @@ from dataclasses import fields, replace
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 from torch._dynamo.testing import CompileCounter
 from torch.autograd.gradcheck import GradcheckError
 from torch.func import functional_call
@@ -19,13 +19,12 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 import moe
 from checks import HD, MODEL, TAH, parameters
-from conftest import F64, cuda, f64_batch, gradcheck_wrt
+from conftest import F64, FAST, cuda, examples, f64_batch, gradcheck_wrt
 from generate import generate, make_caches, sample
 from hd import HDConfig, HiddenDecoding, expand_streams, local
 from moe import MoE, ModelConfig, Transformer, apply_rope, attend, attend_folded, causal, dense_mask
 from tah import TaHConfig, ThinkAtHard
 
-FAST = settings(max_examples=25, deadline=None)
 
 
 def small_cfg(**kw):
@@ -172,6 +171,124 @@ def test_attend_rejects_causal_with_unequal_lengths():
         attend(q, k, k, torch.ones(k.size(2), dtype=torch.bool))
 
 
+def test_rope_of_a_float64_input_is_computed_in_float64():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 7, 8, dtype=torch.float64, generator=g)
+    pos = torch.arange(7) * 1000 + 12345  # large positions: float32 angles would be off by ~1e-4
+    out = apply_rope(x, pos, 4, 10000.0)
+    assert out.dtype == torch.float64
+    inv = 10000.0 ** (-torch.arange(2, dtype=torch.float64) / 2)
+    ang = pos.double()[:, None] * inv
+    x1, x2 = x[..., :2], x[..., 2:4]
+    ref = torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin(), x[..., 4:]], -1)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+
+
+def test_attend_folded_is_right_for_any_layout_of_sdpas_output(monkeypatch):
+    """SDPA on CUDA returns (B, H, T, hd) laid out as (B, T, H, hd): no view of it is legal. The
+    CPU's SDPA made to return that layout, the folded step still equals plain GQA attention."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 3, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    mask = torch.rand(3, 9) > 0.3
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    real = F.scaled_dot_product_attention
+
+    def cuda_layout(*args, **kw):
+        y = real(*args, **kw)
+        return y.transpose(1, 2).contiguous().transpose(1, 2)  # same values, heads innermost but one
+    monkeypatch.setattr(F, "scaled_dot_product_attention", cuda_layout)
+    assert not cuda_layout(q, k, v, enable_gqa=True).is_contiguous()
+    for m in (mask, None):
+        torch.testing.assert_close(attend_folded(q, k, v, m), real(q, k, v, attn_mask=m, enable_gqa=True))
+    torch.testing.assert_close(attend(q, k, v, mask), ref)  # attend folds these 3 x 3 rows
+
+
+@cuda
+def test_cuda_a_gqa_decode_step_equals_plain_attention():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(s, device="cuda") for s in ((2, 6, 1, 16), (2, 2, 40, 16), (2, 2, 40, 16)))
+    torch.testing.assert_close(attend(q, k, v, None), F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+
+def default_run_flex_shapes():
+    """The shapes the default run's L layer gives the eager flex: n = 1, 2, 4 rows per token of 64
+    tokens, training batch 8, evaluation batches down to a last one of 7, and 1 (sampling)."""
+    return [(B, 64 * n) for n in (1, 2, 4) for B in (8, 7, 1)]
+
+
+def test_the_eager_flex_serves_a_runs_shapes_from_a_few_graphs():
+    """moe.FLEX's settings over every (batch, rows) of a default run, twice over, with the
+    recompile limit an error: at most 4 graphs (torch specializes sizes of 1), eager flex's values."""
+    window = local(16)
+    counter = CompileCounter()
+    flex = moe.compiled_flex(backend=counter)  # moe.FLEX, counted
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), torch.no_grad():
+        for B, T in default_run_flex_shapes() * 2:
+            q, kv = torch.randn(B, 6, T, 16), torch.randn(B, 2, T, 16)
+            bm = create_block_mask(window, None, None, T, T, device="cpu")
+            torch.testing.assert_close(flex(q, kv, kv, block_mask=bm, enable_gqa=True),
+                                       attend(q, kv, kv, dense_mask(window, torch.arange(T), torch.arange(T))),
+                                       atol=1e-5, rtol=1e-5)
+    assert counter.frame_count <= 4, counter.frame_count
+
+
+@pytest.mark.parametrize("mask", ["causal", "none", "tensor"])
+def test_attention_with_kv_expanded_for_cudas_fused_kernels_equals_gqa(mask, monkeypatch):
+    """On CUDA, with a mask or in float32, moe.sdpa expands K/V to every query head (the fused kernels
+    that take a mask take no GQA). The expanded call, made on the CPU, equals SDPA's own GQA."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    m = {"causal": "causal", "none": None, "tensor": torch.rand(40, 40) > 0.4}[mask]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask != "tensor" else m,
+                                         is_causal=mask == "causal", enable_gqa=True)
+    calls = []
+    monkeypatch.setattr(moe, "expands_kv", lambda q, m: calls.append(1) or True)
+    torch.testing.assert_close(attend(q, k, v, m), ref, atol=1e-6, rtol=1e-6)
+    assert calls
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_masked_and_float32_attention_equals_the_cpus(dtype):
+    """With K/V expanded on CUDA: a dense mask (a row that sees no key gives 0) and the causal
+    kernel, in float32 and bf16, against the CPU's float64."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    mask = torch.rand(40, 40) > 0.4
+    mask[3] = False
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for m in (mask, "causal"):
+        want = attend(q.double(), k.double(), v.double(), m)
+        got = attend(*(t.to("cuda", dtype) for t in (q, k, v)), m if isinstance(m, str) else m.cuda())
+        torch.testing.assert_close(got.double().cpu(), want, atol=tol, rtol=tol)
+
+
+Q, K = torch.randn(1, 6, 2, 8), torch.randn(1, 2, 5, 8)  # attend's query and key shapes, for the refusals below
+
+
+@pytest.mark.parametrize("args, says", [
+    ((Q[0], K, K, None), "4-D tensors"),
+    ((torch.randn(1, 5, 2, 8), K, K, None), "Hkv dividing H=5"),
+    ((Q, torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), None), "head_dim=8"),
+    ((Q, K, torch.randn(1, 2, 4, 8), None), "k and v of one shape"),
+    ((Q, K, K, torch.ones(2, 5)), "must be boolean"),
+    ((Q, K, K, torch.ones(3, 5, dtype=torch.bool)), r"does not broadcast to \(B, H, Tq, Tk\) = \(1, 6, 2, 5\)"),
+    ((Q, K, K, torch.ones(2, 2, 5, dtype=torch.bool)), "does not broadcast"),
+    ((Q, K, K, 5), "'causal', None, a boolean tensor or a BlockMask"),
+])
+def test_attend_names_shapes_it_cannot_fold_or_broadcast(args, says):
+    with pytest.raises(ValueError, match=says):
+        attend(*args)
+
+
+def test_attend_still_takes_every_mask_form_it_documents():
+    for mask in (None, torch.ones(2, 5, dtype=torch.bool), torch.ones(1, 1, 2, 5, dtype=torch.bool),
+                 torch.ones(1, 6, 2, 5, dtype=torch.bool)):
+        assert attend(Q, K, K, mask).shape == (1, 6, 2, 8)
+    assert attend(Q, K[:, :, :2], K[:, :, :2], "causal").shape == (1, 6, 2, 8)
+
+
 # -----------------------------------------------------------------------------
 # MoE
 
@@ -238,12 +355,12 @@ def test_an_unchosen_expert_contributes_nothing_even_when_it_overflows(dispatch,
 
 def test_auto_dispatch_gathers_a_few_rows_and_sorts_many():
     m = MoE(small_cfg())
-    assert m.dispatch(moe.GATHER_ROWS // m.cfg.top_k, torch.float32, "cpu") == "gather"
-    assert m.dispatch(moe.GATHER_ROWS // m.cfg.top_k + 1, torch.float32, "cpu") == "grouped_mm"
-    assert m.dispatch(4096, torch.float64, "cpu") == "loop"  # grouped_mm has no float64
+    assert moe.dispatch(m, moe.GATHER_ROWS // m.cfg.top_k, torch.float32, "cpu") == "gather"
+    assert moe.dispatch(m, moe.GATHER_ROWS // m.cfg.top_k + 1, torch.float32, "cpu") == "grouped_mm"
+    assert moe.dispatch(m, 4096, torch.float64, "cpu") == "loop"  # grouped_mm has no float64
 
 
-@settings(max_examples=60, deadline=None)
+@examples(60)
 @given(N=st.integers(1, 300), k=st.integers(1, 4), E=st.integers(4, 256))
 def test_a_static_step_takes_gather_while_it_moves_fewer_bytes_on_cuda_and_up_to_128_pairs_on_the_cpu(N, k, E):
     """P1, the dispatch a compiled or graphed step takes (checks.recorded_step stands for both, on
@@ -253,7 +370,7 @@ def test_a_static_step_takes_gather_while_it_moves_fewer_bytes_on_cuda_and_up_to
     from checks import recorded_step
     m = MoE(small_cfg(n_experts=E, top_k=min(k, E)))
     with recorded_step():
-        on_cuda, on_cpu = m.dispatch(N, torch.float32, "cuda"), m.dispatch(N, torch.float32, "cpu")
+        on_cuda, on_cpu = moe.dispatch(m, N, torch.float32, "cuda"), moe.dispatch(m, N, torch.float32, "cpu")
     pairs = N * m.cfg.top_k
     assert on_cuda == ("gather" if 2 * pairs < E else "masked")
     assert on_cpu == ("gather" if pairs <= moe.COMPILED_GATHER_ROWS else "masked")
@@ -344,6 +461,62 @@ def test_loss_free_balancing_reduces_skew(update):
         assert end < 1.4, (start, end)
     else:
         assert end == start
+
+
+def test_gradcheck_moe_dispatch():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**F64, moe_dispatch="loop")).double()
+    idx, tgt = f64_batch(6)
+    for name in ("blocks.1.ffn.w_gate_up", "blocks.1.ffn.w_down", "blocks.1.ffn.router.weight"):
+        gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])
+
+
+def test_the_fast_gradcheck_fails_a_gradient_one_percent_off():
+    """The check above can fail: the MoE's router gradient scaled by 1.01 on its way back."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**F64, moe_dispatch="loop")).double()
+    idx, tgt = f64_batch(6)
+    name = "blocks.1.ffn.router.weight"
+    w = dict(model.named_parameters())[name].detach().clone().requires_grad_(True)
+
+    def f(w):
+        w = w + 0.0
+        w.register_hook(lambda g: None if g is None else 1.01 * g)
+        return functional_call(model, {name: w}, (idx, tgt))[1]
+    with pytest.raises(GradcheckError):
+        torch.autograd.gradcheck(f, (w,), eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=True)
+
+
+@pytest.mark.parametrize("dispatch", ["masked", "gather"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_static_dispatches_keep_their_gradients_finite_in_float16_wherever_the_loops_are(dispatch, autocast):
+    """float16 (the model itself, or float16 autocast), inputs and output gradients at 50 to 550
+    (seeds 17 and 36 at 50 made gather's expert gradients inf while the loop's were finite): where
+    the reference loop's output and gradients (the input's, every weight's) are finite, the
+    static-shape dispatch's are too, and they agree with the loop's."""
+    checked = 0
+    for seed, scale in ((17, 50.0), (36, 50.0), (0, 20.0), (1, 20.0), (2, 550.0)):
+        torch.manual_seed(seed)
+        cfg = dict(n_embd=64, expert_hidden=64, n_experts=8, top_k=2)
+        models = {d: MoE(ModelConfig(**cfg, moe_dispatch=d)) for d in ("loop", dispatch)}
+        for w in (models["loop"].w_gate_up, models["loop"].w_down):  # as Transformer initializes them
+            torch.nn.init.normal_(w, std=0.02)
+        models[dispatch].load_state_dict(models["loop"].state_dict())
+        x, g_out = torch.randn(16, 64) * scale, torch.randn(16, 64) * scale
+        out = {}
+        for d, m in models.items():
+            m = m if autocast else m.half()
+            xi = (x if autocast else x.half()).requires_grad_(True)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+                y = m(xi)
+            (y.float() * g_out).sum().backward()
+            out[d] = [y.float(), xi.grad.float()] + [p.grad.float() for p in (m.w_gate_up, m.w_down, m.router.weight)]
+        if all(torch.isfinite(t).all() for t in out["loop"]):
+            checked += 1
+            assert all(torch.isfinite(t).all() for t in out[dispatch]), (seed, scale)
+            for ref, got in zip(out["loop"], out[dispatch]):
+                torch.testing.assert_close(got, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+    assert checked >= 3
 
 
 # -----------------------------------------------------------------------------
@@ -565,8 +738,19 @@ def test_too_long_input_raises():
         generate(model, torch.zeros(1, 4, dtype=torch.long), 5)
 
 
+@pytest.mark.parametrize("n_experts", [0, 4])
+def test_a_float64_backbone_runs_in_float64_with_the_default_dispatch(n_experts):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**F64, "n_experts": n_experts})).double()
+    idx, tgt = f64_batch(0)
+    logits, loss = model(idx, tgt)
+    assert logits.dtype == loss.dtype == torch.float64
+    out = generate(model, idx[:, :2], 3, temperature=0)
+    assert out.shape == (2, 5)
+
+
 # -----------------------------------------------------------------------------
-# config validation
+# config validation, input checks and the size rule
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -655,7 +839,7 @@ def test_bad_generation_arguments_raise_one_clear_error(kw, words):
         generate(model, **args)
 
 
-@settings(max_examples=20, deadline=None)
+@examples(20)
 @given(seed=st.integers(0, 999), T=st.integers(1, 9), scale=st.floats(0.1, 10.0))
 def test_knorm_normalizes_keys_only_so_the_key_scale_cancels_and_the_query_scale_does_not(seed, T, scale):
     """KNorm (RMSNorm over head_dim) sits on keys only: scaling W_k leaves attention unchanged,
@@ -696,163 +880,6 @@ def test_partial_rope_leaves_the_other_head_dims_unrotated_in_the_model(rope_fra
         assert (moved[rd:] < 1e-6).all()  # equal up to rounding (positions batch differently)
 
 
-# -----------------------------------------------------------------------------
-# moved: float64, CUDA attention paths, input checks and the size rule of the backbone
-
-
-def test_rope_of_a_float64_input_is_computed_in_float64():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 7, 8, dtype=torch.float64, generator=g)
-    pos = torch.arange(7) * 1000 + 12345  # large positions: float32 angles would be off by ~1e-4
-    out = apply_rope(x, pos, 4, 10000.0)
-    assert out.dtype == torch.float64
-    inv = 10000.0 ** (-torch.arange(2, dtype=torch.float64) / 2)
-    ang = pos.double()[:, None] * inv
-    x1, x2 = x[..., :2], x[..., 2:4]
-    ref = torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin(), x[..., 4:]], -1)
-    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
-
-
-@pytest.mark.parametrize("n_experts", [0, 4])
-def test_a_float64_backbone_runs_in_float64_with_the_default_dispatch(n_experts):
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(**{**F64, "n_experts": n_experts})).double()
-    idx, tgt = f64_batch(0)
-    logits, loss = model(idx, tgt)
-    assert logits.dtype == loss.dtype == torch.float64
-    out = generate(model, idx[:, :2], 3, temperature=0)
-    assert out.shape == (2, 5)
-
-
-def test_gradcheck_moe_dispatch():
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(**F64, moe_dispatch="loop")).double()
-    idx, tgt = f64_batch(6)
-    for name in ("blocks.1.ffn.w_gate_up", "blocks.1.ffn.w_down", "blocks.1.ffn.router.weight"):
-        gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])
-
-
-def test_the_fast_gradcheck_fails_a_gradient_one_percent_off():
-    """The check above can fail: the MoE's router gradient scaled by 1.01 on its way back."""
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(**F64, moe_dispatch="loop")).double()
-    idx, tgt = f64_batch(6)
-    name = "blocks.1.ffn.router.weight"
-    w = dict(model.named_parameters())[name].detach().clone().requires_grad_(True)
-
-    def f(w):
-        w = w + 0.0
-        w.register_hook(lambda g: None if g is None else 1.01 * g)
-        return functional_call(model, {name: w}, (idx, tgt))[1]
-    with pytest.raises(GradcheckError):
-        torch.autograd.gradcheck(f, (w,), eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=True)
-
-
-def test_attend_folded_is_right_for_any_layout_of_sdpas_output(monkeypatch):
-    """SDPA on CUDA returns (B, H, T, hd) laid out as (B, T, H, hd): no view of it is legal. The
-    CPU's SDPA made to return that layout, the folded step still equals plain GQA attention."""
-    torch.manual_seed(0)
-    q, k, v = torch.randn(2, 6, 3, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
-    mask = torch.rand(3, 9) > 0.3
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    real = F.scaled_dot_product_attention
-
-    def cuda_layout(*args, **kw):
-        y = real(*args, **kw)
-        return y.transpose(1, 2).contiguous().transpose(1, 2)  # same values, heads innermost but one
-    monkeypatch.setattr(F, "scaled_dot_product_attention", cuda_layout)
-    assert not cuda_layout(q, k, v, enable_gqa=True).is_contiguous()
-    for m in (mask, None):
-        torch.testing.assert_close(attend_folded(q, k, v, m), real(q, k, v, attn_mask=m, enable_gqa=True))
-    torch.testing.assert_close(attend(q, k, v, mask), ref)  # attend folds these 3 x 3 rows
-
-
-@cuda
-def test_cuda_a_gqa_decode_step_equals_plain_attention():
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(s, device="cuda") for s in ((2, 6, 1, 16), (2, 2, 40, 16), (2, 2, 40, 16)))
-    torch.testing.assert_close(attend(q, k, v, None), F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-
-
-def default_run_flex_shapes():
-    """The shapes the default run's L layer gives the eager flex: n = 1, 2, 4 rows per token of 64
-    tokens, training batch 8, evaluation batches down to a last one of 7, and 1 (sampling)."""
-    return [(B, 64 * n) for n in (1, 2, 4) for B in (8, 7, 1)]
-
-
-def test_the_eager_flex_serves_a_runs_shapes_from_a_few_graphs():
-    """moe.FLEX's settings over every (batch, rows) of a default run, twice over, with the
-    recompile limit an error: at most 4 graphs (torch specializes sizes of 1), eager flex's values."""
-    window = local(16)
-    counter = CompileCounter()
-    flex = moe.compiled_flex(backend=counter)  # moe.FLEX, counted
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), torch.no_grad():
-        for B, T in default_run_flex_shapes() * 2:
-            q, kv = torch.randn(B, 6, T, 16), torch.randn(B, 2, T, 16)
-            bm = create_block_mask(window, None, None, T, T, device="cpu")
-            torch.testing.assert_close(flex(q, kv, kv, block_mask=bm, enable_gqa=True),
-                                       attend(q, kv, kv, dense_mask(window, torch.arange(T), torch.arange(T))),
-                                       atol=1e-5, rtol=1e-5)
-    assert counter.frame_count <= 4, counter.frame_count
-
-
-@pytest.mark.parametrize("mask", ["causal", "none", "tensor"])
-def test_attention_with_kv_expanded_for_cudas_fused_kernels_equals_gqa(mask, monkeypatch):
-    """On CUDA, with a mask or in float32, moe.sdpa expands K/V to every query head (the fused kernels
-    that take a mask take no GQA). The expanded call, made on the CPU, equals SDPA's own GQA."""
-    torch.manual_seed(0)
-    q, k, v = torch.randn(2, 6, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
-    m = {"causal": "causal", "none": None, "tensor": torch.rand(40, 40) > 0.4}[mask]
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask != "tensor" else m,
-                                         is_causal=mask == "causal", enable_gqa=True)
-    calls = []
-    monkeypatch.setattr(moe, "expands_kv", lambda q, m: calls.append(1) or True)
-    torch.testing.assert_close(attend(q, k, v, m), ref, atol=1e-6, rtol=1e-6)
-    assert calls
-
-
-@cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_masked_and_float32_attention_equals_the_cpus(dtype):
-    """With K/V expanded on CUDA: a dense mask (a row that sees no key gives 0) and the causal
-    kernel, in float32 and bf16, against the CPU's float64."""
-    torch.manual_seed(0)
-    q, k, v = torch.randn(2, 6, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
-    mask = torch.rand(40, 40) > 0.4
-    mask[3] = False
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    for m in (mask, "causal"):
-        want = attend(q.double(), k.double(), v.double(), m)
-        got = attend(*(t.to("cuda", dtype) for t in (q, k, v)), m if isinstance(m, str) else m.cuda())
-        torch.testing.assert_close(got.double().cpu(), want, atol=tol, rtol=tol)
-
-
-Q, K = torch.randn(1, 6, 2, 8), torch.randn(1, 2, 5, 8)  # attend's query and key shapes, for the refusals below
-
-
-@pytest.mark.parametrize("args, says", [
-    ((Q[0], K, K, None), "4-D tensors"),
-    ((torch.randn(1, 5, 2, 8), K, K, None), "Hkv dividing H=5"),
-    ((Q, torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), None), "head_dim=8"),
-    ((Q, K, torch.randn(1, 2, 4, 8), None), "k and v of one shape"),
-    ((Q, K, K, torch.ones(2, 5)), "must be boolean"),
-    ((Q, K, K, torch.ones(3, 5, dtype=torch.bool)), r"does not broadcast to \(B, H, Tq, Tk\) = \(1, 6, 2, 5\)"),
-    ((Q, K, K, torch.ones(2, 2, 5, dtype=torch.bool)), "does not broadcast"),
-    ((Q, K, K, 5), "'causal', None, a boolean tensor or a BlockMask"),
-])
-def test_attend_names_shapes_it_cannot_fold_or_broadcast(args, says):
-    with pytest.raises(ValueError, match=says):
-        attend(*args)
-
-
-def test_attend_still_takes_every_mask_form_it_documents():
-    for mask in (None, torch.ones(2, 5, dtype=torch.bool), torch.ones(1, 1, 2, 5, dtype=torch.bool),
-                 torch.ones(1, 6, 2, 5, dtype=torch.bool)):
-        assert attend(Q, K, K, mask).shape == (1, 6, 2, 8)
-    assert attend(Q, K[:, :, :2], K[:, :, :2], "causal").shape == (1, 6, 2, 8)
-
-
 @pytest.mark.parametrize("config, table", [(ModelConfig, MODEL), (HDConfig, HD), (TaHConfig, TAH)])
 def test_each_config_check_table_covers_every_field(config, table):
     names = {f.name for f in fields(config)}
@@ -865,7 +892,7 @@ def test_the_defaults_pass_their_table(config):
     config()
 
 
-@settings(max_examples=25, deadline=None)
+@examples(25)
 @given(kind=st.sampled_from(["moe", "hd", "tah"]), n_layer=st.integers(1, 4), C=st.sampled_from([8, 16, 24]),
        heads=st.sampled_from([(2, 1), (4, 2), (6, 3)]), hd=st.sampled_from([8, 16]), E=st.integers(0, 4),
        n=st.integers(1, 3), depths=st.integers(2, 3))
@@ -919,38 +946,6 @@ def test_a_model_that_fits_alone_is_refused_when_jobs_processes_share_the_device
     checks.check_fits(cfg, 8, training=True, sharing=3)
     with pytest.raises(ValueError, match=r"needs ~.*\(4 processes share its"):
         checks.check_fits(cfg, 8, training=True, sharing=4)
-
-
-@pytest.mark.parametrize("dispatch", ["masked", "gather"])
-@pytest.mark.parametrize("autocast", [False, True])
-def test_the_static_dispatches_keep_their_gradients_finite_in_float16_wherever_the_loops_are(dispatch, autocast):
-    """float16 (the model itself, or float16 autocast), inputs and output gradients at 50 to 550
-    (seeds 17 and 36 at 50 made gather's expert gradients inf while the loop's were finite): where
-    the reference loop's output and gradients (the input's, every weight's) are finite, the
-    static-shape dispatch's are too, and they agree with the loop's."""
-    checked = 0
-    for seed, scale in ((17, 50.0), (36, 50.0), (0, 20.0), (1, 20.0), (2, 550.0)):
-        torch.manual_seed(seed)
-        cfg = dict(n_embd=64, expert_hidden=64, n_experts=8, top_k=2)
-        models = {d: MoE(ModelConfig(**cfg, moe_dispatch=d)) for d in ("loop", dispatch)}
-        for w in (models["loop"].w_gate_up, models["loop"].w_down):  # as Transformer initializes them
-            torch.nn.init.normal_(w, std=0.02)
-        models[dispatch].load_state_dict(models["loop"].state_dict())
-        x, g_out = torch.randn(16, 64) * scale, torch.randn(16, 64) * scale
-        out = {}
-        for d, m in models.items():
-            m = m if autocast else m.half()
-            xi = (x if autocast else x.half()).requires_grad_(True)
-            with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
-                y = m(xi)
-            (y.float() * g_out).sum().backward()
-            out[d] = [y.float(), xi.grad.float()] + [p.grad.float() for p in (m.w_gate_up, m.w_down, m.router.weight)]
-        if all(torch.isfinite(t).all() for t in out["loop"]):
-            checked += 1
-            assert all(torch.isfinite(t).all() for t in out[dispatch]), (seed, scale)
-            for ref, got in zip(out["loop"], out[dispatch]):
-                torch.testing.assert_close(got, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
-    assert checked >= 3
 
 
 def test_token_ids_on_the_meta_device_are_refused_before_the_forward():

@@ -9,17 +9,16 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import tah
-from conftest import COMPILE_TINY, F64, cuda, f64_batch, gradcheck_wrt
+from conftest import COMPILE_TINY, F64, FAST, cuda, examples, f64_batch, gradcheck_wrt
 from generate import TaHCache, generate_tah, lora_merged
 from moe import LayerPlan
 from tah import LoRALinear, TaHConfig, ThinkAtHard, dense_batch_mask, duo_causal, oracle_depths
 
-FAST = settings(max_examples=25, deadline=None)
 
 
 def tah_cfg(**kw):
@@ -367,7 +366,7 @@ def test_decider_generation_equals_parallel_decider_forward():
     assert torch.equal(par.logits[:, 3:].argmax(-1), tokens[:, 4:])
 
 
-@settings(max_examples=15, deadline=None)
+@examples(15)
 @given(c=configs, seed=st.integers(0, 999), B=st.integers(2, 5), P=st.integers(1, 5))
 def test_batched_decoding_equals_decoding_each_row_alone(c, seed, B, P):
     """generate over B rows (the second pass runs only the rows whose token goes on, gathered
@@ -424,6 +423,78 @@ def test_decoding_fills_the_cache_to_block_size_in_place_then_one_more_token_is_
             model(idx[:1, :1], cache=TaHCache(model, 2, idx.device))
     tokens, _ = generate_tah(model, idx[:, :3], 4, temperature=0)  # generate to block_size exactly
     assert tokens.shape == (2, 7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_tah_decider_stage2_and_generate_run_in_the_weights_dtype_without_autocast(dtype):
+    torch.manual_seed(0)
+    model = ThinkAtHard(TaHConfig(**{**F64, "n_experts": 0}, logit_topk=5)).to(dtype)
+    idx, tgt = f64_batch(2)
+    out = model(idx, tgt, mode="decider")
+    assert out.logits.dtype == dtype
+    depths = oracle_depths(model(idx, mode="standard").logits, tgt, 2)
+    loss, scores, labels = model.stage2_loss(idx, depths)
+    assert torch.isfinite(loss) and scores.dtype == dtype
+    tokens, d = generate_tah(model, idx[:, :2], 3, temperature=0)
+    assert tokens.shape == (2, 5) and d.shape == (2, 4)
+
+
+def test_gradcheck_tah_gathered_depths():
+    torch.manual_seed(0)
+    model = ThinkAtHard(TaHConfig(**{**F64, "n_experts": 0}, logit_topk=5, max_depth=3)).double()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(".B"):
+                p.normal_(std=0.2)  # LoRA on, so depth >= 1 really differs
+    idx, tgt = f64_batch(5)
+    depths = torch.tensor([[1, 3, 2, 1, 2], [2, 1, 1, 3, 1]])
+    for name in ("backbone.wte.weight", "backbone.blocks.1.attn.q_proj.A"):
+        gradcheck_wrt(model, name, lambda m: m(idx, tgt, mode="oracle", depths=depths).loss)
+
+
+def tiny_tah(**kw):
+    cfg = {k: v for k, v in COMPILE_TINY.items() if k != "window"}
+    return tah.ThinkAtHard(tah.TaHConfig(**{**cfg, "n_experts": 0, "ffn_hidden": 48, "logit_topk": 16, **kw}))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_tah_compiles_each_pass_whole_and_decoding_reuses_the_passes_graphs(monkeypatch):
+    """fullgraph per pass (tah.COMPILED_PASS, here on tracing backends): training (oracle depths,
+    forward and backward) equals eager, and decoding compiles a fixed set of graphs (depth, first cache write, one query row or more)
+    that every later step reuses: 30 steps compile what 10 did, and give eager's tokens."""
+    torch.manual_seed(0)
+    model = tiny_tah(n_layer=1, kv_mirror=False)  # symbolic shapes cost seconds per layer to trace
+    idx, tgt = torch.randint(64, (2, 8)), torch.randint(64, (2, 8))
+    depths = torch.randint(1, 3, (2, 8))
+    eager = model(idx, tgt, mode="oracle", depths=depths)
+    eager.loss.backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    counter = CompileCounterWithBackend("aot_eager")  # autograd traced too; training's shapes are fixed
+    monkeypatch.setattr(tah, "COMPILED_PASS", torch.compile(tah.ThinkAtHard.run_pass, backend=counter,
+                                                            fullgraph=True, dynamic=False))
+    out = model.compile_passes()(idx, tgt, mode="oracle", depths=depths)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, eager.loss)
+    for k, p in model.named_parameters():
+        if k in want:
+            torch.testing.assert_close(p.grad, want[k], atol=1e-6, rtol=1e-5)
+    assert counter.frame_count >= 2  # the passes ran compiled (depth 0 and 1)
+    counter = CompileCounter()  # decoding: dynamo's tracing alone
+    monkeypatch.setattr(tah, "COMPILED_PASS", torch.compile(tah.ThinkAtHard.run_pass, backend=counter,
+                                                            fullgraph=True, dynamic=True))
+    model.compile_passes(False).eval()
+    tokens, passes = generate_tah(model, idx, 10, temperature=0, mode="always")
+    frames = counter.frame_count
+    got = generate_tah(model, idx, 10, temperature=0, mode="always", compile=True)
+    assert torch.equal(got[0], tokens) and torch.equal(got[1], passes) and not model.passes_compiled
+    after_10 = counter.frame_count
+    assert after_10 > frames
+    long = generate_tah(model, idx, 30, temperature=0, mode="always", compile=True)
+    assert counter.frame_count == after_10, "a later decode step compiled again"
+    assert torch.equal(long[0][:, :18], tokens)
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        generate_tah(model, idx, 2, compile=1)
 
 
 # -----------------------------------------------------------------------------
@@ -563,7 +634,7 @@ def test_stage2_loss_at_one_pass_says_there_is_nothing_to_learn():
         model.stage2_loss(idx, torch.ones_like(idx))
 
 
-@settings(max_examples=40, deadline=None)
+@examples(40)
 @given(seed=st.integers(0, 10_000), B=st.integers(1, 3), T=st.integers(1, 24), max_depth=st.integers(3, 5),
        p_hard=st.floats(0.0, 1.0))
 def test_oracle_quantile_bins_per_sample_equal_a_brute_force(seed, B, T, max_depth, p_hard):
@@ -706,82 +777,6 @@ def test_oracle_targets_outside_the_vocabulary_are_refused_and_minus_one_means_i
     with pytest.raises(ValueError, match=r"targets must be -1 \(ignored: never hard\) or a token id in \[0, 11\)"):
         oracle_depths(logits, torch.full((2, 3), target), 2)
     assert (oracle_depths(logits, torch.full((2, 3), -1), 2) == 1).all()
-
-
-# -----------------------------------------------------------------------------
-# moved: float64, compiled passes
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_tah_decider_stage2_and_generate_run_in_the_weights_dtype_without_autocast(dtype):
-    torch.manual_seed(0)
-    model = ThinkAtHard(TaHConfig(**{**F64, "n_experts": 0}, logit_topk=5)).to(dtype)
-    idx, tgt = f64_batch(2)
-    out = model(idx, tgt, mode="decider")
-    assert out.logits.dtype == dtype
-    depths = oracle_depths(model(idx, mode="standard").logits, tgt, 2)
-    loss, scores, labels = model.stage2_loss(idx, depths)
-    assert torch.isfinite(loss) and scores.dtype == dtype
-    tokens, d = generate_tah(model, idx[:, :2], 3, temperature=0)
-    assert tokens.shape == (2, 5) and d.shape == (2, 4)
-
-
-def test_gradcheck_tah_gathered_depths():
-    torch.manual_seed(0)
-    model = ThinkAtHard(TaHConfig(**{**F64, "n_experts": 0}, logit_topk=5, max_depth=3)).double()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith(".B"):
-                p.normal_(std=0.2)  # LoRA on, so depth >= 1 really differs
-    idx, tgt = f64_batch(5)
-    depths = torch.tensor([[1, 3, 2, 1, 2], [2, 1, 1, 3, 1]])
-    for name in ("backbone.wte.weight", "backbone.blocks.1.attn.q_proj.A"):
-        gradcheck_wrt(model, name, lambda m: m(idx, tgt, mode="oracle", depths=depths).loss)
-
-
-def tiny_tah(**kw):
-    cfg = {k: v for k, v in COMPILE_TINY.items() if k != "window"}
-    return tah.ThinkAtHard(tah.TaHConfig(**{**cfg, "n_experts": 0, "ffn_hidden": 48, "logit_topk": 16, **kw}))
-
-
-@pytest.mark.usefixtures("fresh_dynamo")
-def test_tah_compiles_each_pass_whole_and_decoding_reuses_the_passes_graphs(monkeypatch):
-    """fullgraph per pass (tah.COMPILED_PASS, here on tracing backends): training (oracle depths,
-    forward and backward) equals eager, and decoding compiles a fixed set of graphs (depth, first cache write, one query row or more)
-    that every later step reuses: 30 steps compile what 10 did, and give eager's tokens."""
-    torch.manual_seed(0)
-    model = tiny_tah(n_layer=1, kv_mirror=False)  # symbolic shapes cost seconds per layer to trace
-    idx, tgt = torch.randint(64, (2, 8)), torch.randint(64, (2, 8))
-    depths = torch.randint(1, 3, (2, 8))
-    eager = model(idx, tgt, mode="oracle", depths=depths)
-    eager.loss.backward()
-    want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    counter = CompileCounterWithBackend("aot_eager")  # autograd traced too; training's shapes are fixed
-    monkeypatch.setattr(tah, "COMPILED_PASS", torch.compile(tah.ThinkAtHard.run_pass, backend=counter,
-                                                            fullgraph=True, dynamic=False))
-    out = model.compile_passes()(idx, tgt, mode="oracle", depths=depths)
-    out.loss.backward()
-    torch.testing.assert_close(out.loss, eager.loss)
-    for k, p in model.named_parameters():
-        if k in want:
-            torch.testing.assert_close(p.grad, want[k], atol=1e-6, rtol=1e-5)
-    assert counter.frame_count >= 2  # the passes ran compiled (depth 0 and 1)
-    counter = CompileCounter()  # decoding: dynamo's tracing alone
-    monkeypatch.setattr(tah, "COMPILED_PASS", torch.compile(tah.ThinkAtHard.run_pass, backend=counter,
-                                                            fullgraph=True, dynamic=True))
-    model.compile_passes(False).eval()
-    tokens, passes = generate_tah(model, idx, 10, temperature=0, mode="always")
-    frames = counter.frame_count
-    got = generate_tah(model, idx, 10, temperature=0, mode="always", compile=True)
-    assert torch.equal(got[0], tokens) and torch.equal(got[1], passes) and not model.passes_compiled
-    after_10 = counter.frame_count
-    assert after_10 > frames
-    long = generate_tah(model, idx, 30, temperature=0, mode="always", compile=True)
-    assert counter.frame_count == after_10, "a later decode step compiled again"
-    assert torch.equal(long[0][:, :18], tokens)
-    with pytest.raises(ValueError, match="compile must be True or False"):
-        generate_tah(model, idx, 2, compile=1)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import protocols
 import tasks
 import train_tiny as tt
 import trainer
-from conftest import SMOKE, flags, patch_train, suite_ctx, suite_run, tiny_backbone
-from lab import ablations, compute, inside, report, tokens
+from conftest import SMOKE, examples, flags, patch_train, suite_ctx, suite_run, tiny_backbone
+from lab import ablations, compute, files, inside, report, tokens
 from lab.arith import Arith
 from tah import ThinkAtHard
 from tasks import Lookups
@@ -32,33 +32,33 @@ from tasks import Lookups
 
 def test_text_round_trips_through_bpe_and_compact_ids(tmp_path):
     text = "When shall we three meet again\nIn thunder, lightning, or in rain?\n" * 3
-    data = tasks.TextData(text, tmp_path / "t.npz")
-    ids = tokens.load_bpe().encode_ordinary(text)
+    data = tasks.TextData(text, tokens.TokenCache(tmp_path / "t.npz"))
+    ids = tasks.load_bpe().encode_ordinary(text)
     assert data.vocab[data.tokens].tolist() == ids  # compact id -> BPE id
     assert data.vocab_size == len(set(ids)) == data.tokens.max() + 1
     assert data.decode(data.tokens) == text
     assert data.decode(data.encode("When shall we three meet again")) == "When shall we three meet again"
-    cached = tasks.TextData(text, tmp_path / "t.npz")  # read back from the token file
+    cached = tasks.TextData(text, tokens.TokenCache(tmp_path / "t.npz"))  # read back from the token file
     assert np.array_equal(cached.tokens, data.tokens) and np.array_equal(cached.vocab, data.vocab)
     raw = (tmp_path / "t.npz").read_bytes()
     at = raw.index(data.tokens.tobytes()) + 4  # one bit of one token flipped in the file
     for damaged in (raw[:len(raw) // 2], raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1:]):
         (tmp_path / "t.npz").write_bytes(damaged)
-        again = tasks.TextData(text, tmp_path / "t.npz")  # rebuilt, not used as is
+        again = tasks.TextData(text, tokens.TokenCache(tmp_path / "t.npz"))  # rebuilt, not used as is
         assert np.array_equal(again.tokens, data.tokens) and np.array_equal(again.vocab, data.vocab)
         assert tokens.read_token_cache(tmp_path / "t.npz") is not None  # and the cache rewritten
     with pytest.raises(ValueError, match="vocabulary"):
         data.encode("zebra")
     other = "Now is the winter of our discontent\n" * 3  # another text's valid cache at this path
-    tasks.TextData(other, tmp_path / "o.npz")
+    tasks.TextData(other, tokens.TokenCache(tmp_path / "o.npz"))
     (tmp_path / "t.npz").write_bytes((tmp_path / "o.npz").read_bytes())
-    again = tasks.TextData(text, tmp_path / "t.npz")  # refused and rebuilt
+    again = tasks.TextData(text, tokens.TokenCache(tmp_path / "t.npz"))  # refused and rebuilt
     assert np.array_equal(again.tokens, data.tokens) and again.decode(again.tokens) == text
     assert tokens.read_token_cache(tmp_path / "t.npz", text) is not None
 
 
 @given(N=st.integers(2, 300), T=st.integers(1, 40))
-@settings(max_examples=40, deadline=None)
+@examples(40)
 def test_whole_split_windows_cover_every_target_exactly_once(N, T):
     data = tasks.TextData.__new__(tasks.TextData)
     data.split = {"val": torch.arange(1000, 1000 + N)}  # token j of the split holds 1000 + j
@@ -75,12 +75,12 @@ def test_clean_play_removes_the_markdown():
 
 
 def test_shakespeare_comes_from_the_package_with_a_checked_tokenizer(tmp_path):
-    data = tasks.shakespeare(tmp_path, ("macbeth",))
+    data = tasks.shakespeare(tokens.TokenCaches(tmp_path), ("macbeth",))
     assert 20_000 < len(data.tokens) < 40_000
     assert "Fair is foul, and foul is fair" in data.decode(data.tokens[:2000])
 
 
-@settings(max_examples=25, deadline=None)
+@examples(25)
 @given(S=st.integers(3, 9), Q=st.integers(1, 6), two_hop=st.floats(0.0, 0.6), three_hop=st.sampled_from([0.0, 0.2, 0.39]),
        seed=st.integers(0, 10_000), T=st.integers(4, 90))
 def test_lookup_answers_are_a_walk_of_the_listed_pairs(S, Q, two_hop, three_hop, seed, T):
@@ -120,7 +120,7 @@ def test_lookup_answers_are_a_walk_of_the_listed_pairs(S, Q, two_hop, three_hop,
         assert y[b].tolist() == want
 
 
-@settings(max_examples=25, deadline=None)
+@examples(25)
 @given(S=st.integers(3, 9), Q=st.integers(1, 6), two_hop=st.floats(0.0, 1.0), seed=st.integers(0, 10_000),
        T=st.integers(4, 90))
 def test_lookups_with_the_hop_count_per_problem_are_a_walk_of_the_listed_pairs(S, Q, two_hop, seed, T):
@@ -172,7 +172,7 @@ def test_hard_and_easy_queries_have_the_same_query_tokens():
     assert not set(xq[q.hops(xq) == 1].tolist()) & set(xq[q.hops(xq) == 2].tolist())
 
 
-@settings(max_examples=25, deadline=None)
+@examples(25)
 @given(digits=st.integers(1, 5), seed=st.integers(0, 10_000), T=st.integers(8, 80))
 def test_arith_answers_are_correct_by_construction(digits, seed, T):
     task = Arith(digits)
@@ -194,7 +194,7 @@ def test_arith_answers_are_correct_by_construction(digits, seed, T):
                 assert target == nxt[t]
 
 
-@settings(max_examples=10, deadline=None)
+@examples(10)
 @given(seed=st.integers(0, 10_000))
 def test_tah3_oracle_bins_each_problems_hard_answers_by_reference_ce(seed):
     """The TaH-3 suite's oracle on its own task: per sample (a row of whole problems), the
@@ -249,8 +249,8 @@ def test_an_uneven_cut_of_the_batch_gives_the_whole_batchs_loss_and_gradients(ac
 def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path):
     P = trainer.Stage(steps=6, lr=3e-3, warmup=2, batch=4, block=16)
     data = Arith(2)
-    args = lambda d: trainer.Context(d, accum=2, log_every=100, ckpt_every=1)
-    straight = trainer.train("arm", tiny_backbone(), protocols.lm_loss, data, P, args(tmp_path / "a"), seed=3)
+    args = lambda d: trainer.Context(d, accum=2, log_every=100, ckpt_every=1, checkpoints=files.Checkpoints())
+    straight = trainer.train("arm", tiny_backbone(), protocols.lm_loss, data, P, ctx=args(tmp_path / "a"), seed=3)
 
     class Killed(Exception):
         pass
@@ -259,8 +259,8 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path)
         if step == 3:
             raise Killed
     with pytest.raises(Killed):
-        trainer.train("arm", tiny_backbone(), protocols.lm_loss, data, P, args(tmp_path / "b"), seed=3, on_step=kill)
-    resumed = trainer.train("arm", tiny_backbone(seed=99), protocols.lm_loss, data, P, args(tmp_path / "b"), seed=3)
+        trainer.train("arm", tiny_backbone(), protocols.lm_loss, data, P, ctx=args(tmp_path / "b"), seed=3, on_step=kill)
+    resumed = trainer.train("arm", tiny_backbone(seed=99), protocols.lm_loss, data, P, ctx=args(tmp_path / "b"), seed=3)
     assert len(resumed) == 6
     assert resumed == straight  # bit for bit on CPU
 
@@ -303,9 +303,9 @@ def test_smoke_runs_every_suite_and_writes_results(smoke_run):
 def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp_path, monkeypatch):
     seen, real = {}, trainer.train
 
-    def spy(name, model, loss_fn, data, stage, args, seed, on_step=None, **kw):
+    def spy(name, model, loss_fn, data, stage, *, ctx, seed, on_step=None, **kw):
         if "continued" not in name:
-            return real(name, model, loss_fn, data, stage, args, seed, on_step, **kw)
+            return real(name, model, loss_fn, data, stage, ctx=ctx, seed=seed, on_step=on_step, **kw)
         start = (copy.deepcopy(model.backbone.state_dict()), [t.weight.detach().clone() for t in model.tables])
         batches = []
         assert (stage.lr, stage.steps) == (P.hd_cont_lr, P.hd_cont_iters)  # the continuation's own budget
@@ -314,7 +314,7 @@ def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp
             batches.append((x.clone(), y.clone()))
             return loss_fn(m, x, y)
         seen[model.cfg.n_streams] = start, batches
-        return real(name, model, recording, data, stage, args, seed, on_step, **kw)
+        return real(name, model, recording, data, stage, ctx=ctx, seed=seed, on_step=on_step, **kw)
     patch_train(monkeypatch, spy)
     P = replace(tt.PRESETS["smoke"], hd_cont_lr=1e-3)
     text = tasks.TextData("Is this a dagger which I see before me, the handle toward my hand? " * 60, tmp_path / "t.npz")
@@ -334,9 +334,9 @@ def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp
 def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response(suite, tmp_path, monkeypatch):
     trained, labelled, real, training = {}, [], trainer.train, [None]
 
-    def spy(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
+    def spy(name, model, loss_fn, data, P, *, ctx, seed, on_step=None, **kw):
         training[0] = name
-        out = real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
+        out = real(name, model, loss_fn, data, P, ctx=ctx, seed=seed, on_step=on_step, **kw)
         trained[name] = model
         return out
     real_stage1 = protocols.ThinkAtHard.stage1_loss
@@ -368,7 +368,7 @@ def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response
                 assert depths[b, t].item() == (2 if hard else 1)
 
 
-@settings(max_examples=30, deadline=None)
+@examples(30)
 @given(digits=st.integers(1, 4), seed=st.integers(0, 10_000), T=st.integers(6, 60), p_wrong=st.floats(0, 0.5))
 def test_exact_match_counts_the_problems_whose_every_answer_digit_is_right(digits, seed, T, p_wrong):
     task = Arith(digits)
@@ -470,12 +470,12 @@ def test_non_finite_loss_stops_the_run_naming_the_arm_and_step(tmp_path):
         loss = protocols.lm_loss(m, x, y)
         return loss * float("nan") if len(calls) == 3 else loss
     with pytest.raises(SystemExit, match=r"\[arm s0\] loss is nan at step 3"):
-        trainer.train("arm", tiny_backbone(), blows_up, Arith(2), P, args, seed=0)
+        trainer.train("arm", tiny_backbone(), blows_up, Arith(2), P, ctx=args, seed=0)
 
 
 def test_non_finite_weights_after_a_finite_loss_are_refused_before_any_save(tmp_path):
     P = trainer.Stage(steps=2, lr=3e-3, warmup=1, batch=4, block=16)
-    args = trainer.Context(tmp_path, log_every=100, ckpt_every=100)
+    args = trainer.Context(tmp_path, log_every=100, ckpt_every=100, checkpoints=files.Checkpoints())
 
     steps = []
 
@@ -487,7 +487,7 @@ def test_non_finite_weights_after_a_finite_loss_are_refused_before_any_save(tmp_
                 next(m.parameters()).fill_(float("nan"))
         return loss
     with pytest.raises(SystemExit, match=r"\[arm s0\] the weights are not finite after step 2"):
-        trainer.train("arm", tiny_backbone(), spoils_last_step, Arith(2), P, args, seed=0)
+        trainer.train("arm", tiny_backbone(), spoils_last_step, Arith(2), P, ctx=args, seed=0)
     assert not list(tmp_path.rglob("*.pt"))  # nothing saved
 
 

@@ -22,8 +22,7 @@ import time  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 
 import protocols  # noqa: E402
-from lab import figures, inside, presets, report, runner  # noqa: E402
-from lab.arith import Arith  # noqa: E402
+from lab import figures, inside, presets, report, runner, tokens  # noqa: E402
 from tasks import Lookups, load_text  # noqa: E402
 from trainer import log  # noqa: E402
 
@@ -114,23 +113,28 @@ def main(argv=None):
                                check=presets.check_preset)
     preset, started = flags.preset, time.time()
     with runner.open_run(flags) as jobs:  # the run's folder and its finished rows; from here Ctrl-C saves what finished
-        text = load_text(flags.data, preset.plays, preset.block, flags.out) if set(flags.suites) & set(TEXT) else None
+        ctx = jobs.ctx  # the run's context (trainer.Context): its folder, device, seeds, evaluation split
+        text = (load_text(flags.data, preset.plays, preset.block, tokens.TokenCaches(flags.out))
+                if set(flags.suites) & set(TEXT) else None)
         say_what_runs(flags, text)
         for suite in flags.suites:
-            for seed in flags.seeds:
-                jobs.train(train_seed, suite=suite, seed=seed, data=task(suite, preset, text))
+            for seed in flags.seeds:  # train_seed(...) here, or in a --jobs process of its own
+                jobs.submit(train_seed, suite, preset, ctx, seed, task(suite, preset, text))
         jobs.wait()
     if flags.master:  # under torchrun, rank 0; after SIGTERM (a time limit), the report of what finished
-        write_report(flags, jobs.ctx, jobs.rows, time.time() - started, stopped=jobs.stopped)
+        write_report(flags, ctx, jobs.rows, time.time() - started, stopped=jobs.stopped)
 
 
 def task(suite, preset, text):
-    """What a suite trains on: the text, or its synthetic task (tasks.py)."""
+    """What a suite trains on: the text, or its synthetic task (tasks.py; --suite all's addition: lab/arith.py)."""
     p = preset
-    return {"tah": Lookups(p.symbols, p.queries, p.two_hop),
-            "tah-hidden": Lookups(p.symbols, p.queries, p.two_hop, per_problem=True),  # hop count once per problem
-            "tah-add": Arith(p.digits),
-            "tah3": Lookups(p.symbols, p.queries, p.two_hop, p.three_hop)}.get(suite, text)
+    if suite == "tah-add":
+        from lab.arith import Arith
+        return Arith(p.digits)
+    if suite in ("tah", "tah-hidden", "tah3"):  # lookups; tah-hidden: the hop count once per problem
+        return Lookups(p.symbols, p.queries, p.two_hop, p.three_hop if suite == "tah3" else 0.0,
+                       per_problem=suite == "tah-hidden")
+    return text
 
 
 def train_seed(suite, preset, ctx, seed, data):
@@ -138,9 +142,11 @@ def train_seed(suite, preset, ctx, seed, data):
     the held-out set. The headline suites' protocols; the rest, and every extra arm under --suite
     all, from lab/ablations.py."""
     if suite == "hd" and not ctx.ablations:  # HD: each n of --hd_ns (1, 2, 4) continued from one n = 1 checkpoint
-        return protocols.hd_protocol(preset, ctx, seed, data)[0]
+        rows, trained = protocols.hd_protocol(preset, ctx, seed, data)
+        return rows + inside.hd_probes(trained, preset, ctx, seed, data)  # what the streams hold (lab/inside.py)
     if suite == "tah" and not ctx.ablations:  # TaH: Standard, AlwaysThink, TaH (oracle, decider) on lookups
-        return protocols.tah_protocol(preset, ctx, seed, data)[0]
+        rows, trained = protocols.tah_protocol(preset, ctx, seed, data)
+        return rows + inside.tah_probes(trained, protocols.TAH_EFFECTS, seed, keep_problem=True)
     from lab import ablations
     return ablations.train_seed(suite, preset, ctx, seed, data)
 
@@ -148,7 +154,8 @@ def train_seed(suite, preset, ctx, seed, data):
 def claims(flags):
     """Every claim of the suites that ran: what the paper says, as an arm against a baseline in a
     metric with a sign."""
-    headline = protocols.hd_claims(flags.preset.hd_ns) + protocols.TAH_CLAIMS
+    hd_inside, tah_inside = inside.claims(flags.preset.hd_ns, protocols.TAH_EFFECTS, "TaH, lookups")
+    headline = protocols.hd_claims(flags.preset.hd_ns) + hd_inside + protocols.TAH_CLAIMS + tah_inside
     if not (set(flags.suites) - set(HEADLINE) or flags.ctx.ablations):
         return headline
     from lab import ablations

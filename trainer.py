@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lab import files, flops
 from moe import Transformer
 
 
@@ -38,6 +37,8 @@ class Context:
     compile: bool = False
     log_every: int = 50
     ckpt_every: int = 50
+    checkpoints: object = None  # a stage's save and resume (lab/files.py, given by lab/runner.py); None: none kept
+    flops: object = None  # flops(model, T): a step's FLOPs per token (lab/flops.py's per_token), for the MFU on CUDA
 
 
 @dataclass(frozen=True)
@@ -100,14 +101,15 @@ def lr_at(it, stage):
     return stage.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
-def train(name, model, loss_fn, data, stage, ctx, seed, on_step=None, first_batch=0):
+def train(name, model, loss_fn, data, stage, *, ctx, seed, on_step=None, first_batch=0):
     """Train `model` for stage.steps steps of loss_fn(model, x, y) on the seed's batches from step
     first_batch on (a later stage passes the steps before it), checkpointing every
     ctx.ckpt_every steps and resuming from a checkpoint. Returns the losses, one per step."""
-    ckpt = files.checkpoint_path(ctx, name, seed)
+    keep = ctx.checkpoints
+    ckpt = keep and keep.checkpoint_path(ctx, name, seed)
     opts = make_optimizer(model, stage.lr, ctx.muon)
     meta = dict(arm=name, seed=seed, iters=stage.steps, run=ctx.run_key)
-    start, losses = files.resume(ckpt, model, opts, ctx.device, meta)
+    start, losses = keep.resume(ckpt, model, opts, ctx.device, meta) if keep else (0, [])
     step = MicroSteps(model, loss_fn, ctx, stage=stage, label=f"{name} s{seed}")
     if 0 < start < stage.steps:
         log(f"[{name} s{seed}] resuming at step {start}")
@@ -119,8 +121,9 @@ def train(name, model, loss_fn, data, stage, ctx, seed, on_step=None, first_batc
         for o in opts:  # the learning rate of step it
             for g in o.param_groups:
                 g["lr"] = lr_at(it, stage)
-        if it > start and it % ctx.ckpt_every == 0:  # the state after `it` steps
-            files.save_checkpoint(ckpt, model, opts, it, losses, meta)
+        if keep and it > start and it % ctx.ckpt_every == 0:  # the state after `it` steps
+            finite_weights(model, meta, it)
+            keep.save_checkpoint(ckpt, model, opts, it, losses, meta)
         x, y = data.batch("train", stage.batch, stage.block, batch_gen(seed, first_batch + it, "train"))
         losses.append(step(x, y))  # forward and backward, summed over ranks
         torch.nn.utils.clip_grad_norm_(step.params, 1.0)
@@ -131,13 +134,22 @@ def train(name, model, loss_fn, data, stage, ctx, seed, on_step=None, first_batc
             backbone_of(model).update_router_bias()  # loss-free balancing, after the step
         step.check_finite(losses[-1], it)
         if (it + 1) % ctx.log_every == 0 or it + 1 == stage.steps:
-            log_step(step.label, it + 1, stage, losses[-1], (time.perf_counter() - t0) / (it + 1 - start), model,
-                     ctx.device)
+            log_step(step.label, it + 1, stage, losses[-1], (time.perf_counter() - t0) / (it + 1 - start), model, ctx)
         if on_step is not None:
             on_step(it + 1)
     if start < stage.steps:
-        files.save_checkpoint(ckpt, model, opts, stage.steps, losses, meta)
+        finite_weights(model, meta, stage.steps)
+        if keep:
+            keep.save_checkpoint(ckpt, model, opts, stage.steps, losses, meta)
     return losses
+
+
+def finite_weights(model, meta, done):
+    """The weights after step `done` are finite, or one line and the run stops (a finite loss can
+    still leave them otherwise): a stage's result, like its checkpoints, holds finite weights only."""
+    if not all(torch.isfinite(p).all() for p in model.parameters() if p.requires_grad):
+        raise SystemExit(f"error: [{meta['arm']} s{meta['seed']}] the weights are not finite after step {done}; "
+                         f"nothing of this arm is saved or reported (try a lower lr)")
 
 
 class MicroSteps:
@@ -211,13 +223,16 @@ def compiled(model):
     return model.compile_passes(True)
 
 
-def log_step(label, done, stage, loss, dt, model, dev):
-    """A step's line: loss, time and tokens per step, on CUDA MFU and peak memory, the stage's time left."""
-    tok = stage.batch * stage.block / dt
+def log_step(label, done, stage, loss, dt, model, ctx):
+    """A step's line: loss, time and tokens per step, on CUDA MFU (with ctx.flops) and peak memory,
+    the stage's time left."""
+    tok, dev = stage.batch * stage.block / dt, ctx.device
     mfu = ""
-    if dev.startswith("cuda"):  # model FLOPs per token (as nanoGPT's estimate_mfu), vs 989 TFLOP/s bf16 (H100/H200)
-        mfu = (f" | mfu {flops.per_token(model, stage.block) * tok / 989e12:.2%} | peak memory "
-               f"{torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB")
+    if dev.startswith("cuda") and ctx.flops is not None:  # model FLOPs (as nanoGPT's estimate_mfu), vs 989 TFLOP/s bf16
+        one_pass = " (pass 1 alone)" if hasattr(model.cfg, "max_depth") else ""  # TaH: its passes vary by token
+        mfu = f" | mfu {ctx.flops(model, stage.block) * tok / 989e12:.2%}{one_pass}"
+    if dev.startswith("cuda"):
+        mfu += f" | peak memory {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB"
     log(f"[{label}] step {done}/{stage.steps} | loss {loss:.4f} | {dt * 1e3:.0f} ms/step | "
         f"{tok / 1e3:.1f}k tok/s{mfu} | stage ~{(stage.steps - done) * dt / 60:.1f} min left")
 

@@ -33,10 +33,13 @@ def train_seed(suite, preset, ctx, seed, data):
     ctx.ablations (--suite all, --smoke), the suite's extra arms from what it trained."""
     if suite == "hd":
         rows, trained = protocols.hd_protocol(preset, ctx, seed, data)
+        rows += inside.hd_probes(trained, preset, ctx, seed, data)
         return rows + (hd_ablations(preset, ctx, seed, data, trained) if ctx.ablations else [])
     if suite in ("tah", "tah-add"):
         rows, trained = (protocols.tah_protocol(preset, ctx, seed, data) if suite == "tah"
                          else tah_addition(preset, ctx, seed, data))
+        rows += inside.tah_probes(trained, protocols.TAH_EFFECTS if suite == "tah" else TAH_ADD_EFFECTS, seed,
+                                  keep_problem=suite == "tah")
         return rows + (tah_attention_ablations(suite, preset, ctx, seed, data, trained) if ctx.ablations else [])
     if suite == "moe":
         rows, bias_on = moe_protocol(preset, ctx, seed, data)
@@ -112,13 +115,13 @@ def hd_ablations(preset, ctx, seed, data, trained):
             rows += result_rows(effect, arm, seed, trained.metrics[how])
             continue
         model = expand_streams(trained.base, 2, **how).to(ctx.device)
-        train(f"hd/n=2 continued, {arm.label}", model, lm_loss, data, protocols.continuation(preset), ctx, seed,
+        train(f"hd/n=2 continued, {arm.label}", model, lm_loss, data, protocols.continuation(preset), ctx=ctx, seed=seed,
               first_batch=preset.hd_base_iters)
         rows += result_rows(effect, arm, seed, evaluate(model, data, preset, ctx))
     for arm, n in hd_scratch_arms(preset):
         torch.manual_seed(seed)
         model = HiddenDecoding(protocols.hd_config(preset, data.vocab_size, n)).to(ctx.device)
-        train(f"hd/{arm.label}", model, lm_loss, data, from_scratch(preset), ctx, seed)
+        train(f"hd/{arm.label}", model, lm_loss, data, from_scratch(preset), ctx=ctx, seed=seed)
         rows += result_rows(HD_SCRATCH, arm, seed, evaluate(model, data, preset, ctx))
     return rows
 
@@ -161,8 +164,8 @@ def hd_progressive(preset, ctx, seed, data):
         if stage == 2:  # n=4 from stage 1's n=2, before that one trains on
             models[4] = expand_streams(models[2], 4).to(ctx.device)
         for n, model in models.items():
-            train(f"hd-progressive/n={n} stage {stage}", model, lm_loss, data, protocols.continuation(preset), ctx,
-                  seed, first_batch=preset.hd_base_iters + (stage - 1) * preset.hd_cont_iters)
+            train(f"hd-progressive/n={n} stage {stage}", model, lm_loss, data, protocols.continuation(preset), ctx=ctx,
+                  seed=seed, first_batch=preset.hd_base_iters + (stage - 1) * preset.hd_cont_iters)
             rows += result_rows(HD_PROG, prog_arm(n, stage), seed, evaluate(model, data, preset, ctx))
     return rows
 
@@ -198,13 +201,20 @@ def tah_attention_ablations(suite, preset, ctx, seed, data, trained):
     same batches, evaluated under oracle routing beside the duo-causal model."""
     rows = []
     for attention in TAH_ATTENTION_ABLATIONS:
-        model = protocols.from_base(trained.base, attention)
+        model = with_attention(trained.base, attention)
         train(f"{suite}/TaH stage 1, {attention}", model, protocols.OracleLoss(trained.oracle), data,
-              trained.stages.sft, ctx, seed, first_batch=trained.stages.base.steps)
+              trained.stages.sft, ctx=ctx, seed=seed, first_batch=trained.stages.base.steps)
         if attention == "first_depth":
             rows += result_rows(ATTENTION[suite], DUO_CAUSAL, seed, trained.evaluate(trained.models["tah"], "oracle")[0])
         rows += result_rows(ATTENTION[suite], attention_arm(attention), seed, trained.evaluate(model, "oracle")[0])
     return rows
+
+
+def with_attention(base, attention):
+    """A copy of the base model under `attention` (TaH Table 2's ablations), to fine-tune."""
+    m = ThinkAtHard(replace(base.cfg, attention=attention)).to(next(base.parameters()).device)
+    m.load_state_dict(base.state_dict())
+    return m
 
 
 def attention_claim(tag, task):
@@ -215,7 +225,9 @@ def attention_claim(tag, task):
 def tah_addition(preset, ctx, seed, data):
     """The contrast: TaH on addition, whose hard digits need the carry chain over operands that
     never iterate (they have no target), not a refinement at the digit."""
-    return protocols.tah_protocol(preset, ctx, seed, data, "tah-add", TAH_ADD_EFFECTS, preset.add_layers)
+    trained = protocols.train_tah_arms(preset, ctx, seed, data, "tah-add", preset.add_layers)
+    rows, trained.tokens = protocols.tah_routing_rows(TAH_ADD_EFFECTS, trained.models, trained.evaluate, seed)
+    return rows, trained
 
 
 # -----------------------------------------------------------------------------
@@ -254,13 +266,13 @@ def tah_hidden(preset, ctx, seed, data):
     route = TokenRouter(data)
     trained.models["router"] = protocols.from_base(trained.base)
     train("tah-hidden/token-type router", trained.models["router"], route.stage1_loss, data, trained.stages.sft,
-          ctx, seed, first_batch=trained.stages.base.steps)
+          ctx=ctx, seed=seed, first_batch=trained.stages.base.steps)
 
     def evaluate_routed(model, mode, threshold=None):
         return trained.evaluate(model, mode, threshold, route if mode == "router" else None)
-    rows = protocols.tah_routing_rows(TAH_HIDDEN_EFFECTS, trained.models, evaluate_routed, seed,
-                                      protocols.TAH_ARMS + [(TAH_ROUTER, "router", "router")])
-    return rows + inside.tah_rows(trained.models["tah"], trained.batches(), data, seed, TAH_HIDDEN_EFFECTS.inside)
+    rows, trained.tokens = protocols.tah_routing_rows(TAH_HIDDEN_EFFECTS, trained.models, evaluate_routed, seed,
+                                                      protocols.TAH_ARMS + [(TAH_ROUTER, "router", "router")])
+    return rows + inside.tah_probes(trained, TAH_HIDDEN_EFFECTS, seed)
 
 
 # "within the router's accuracy": at most 3 points below it. Fixed on the dev split (3 seeds) before any
@@ -333,7 +345,7 @@ def tah3_protocol(preset, ctx, seed, data):
         models[arm] = ThinkAtHard(replace(cfg, max_depth=max(depth, 2))).to(ctx.device)
         models[arm].load_state_dict(base.state_dict())
         if depth == 1:
-            train("tah3/Standard", models[arm], protocols.standard_loss, data, stages.sft, ctx, seed,
+            train("tah3/Standard", models[arm], protocols.standard_loss, data, stages.sft, ctx=ctx, seed=seed,
                   first_batch=stages.base.steps)
             ref = copy.deepcopy(models[arm]).eval().requires_grad_(False)
         else:
@@ -402,7 +414,7 @@ def moe_arm(preset, ctx, seed, data, arm, **overrides):
     """One backbone from scratch for preset.iters steps: its held-out metrics and expert load."""
     torch.manual_seed(seed)
     model = Transformer(ModelConfig(**backbone_cfg(preset, data.vocab_size, **overrides))).to(ctx.device)
-    train(f"moe/{arm.label}", model, lm_loss, data, from_scratch(preset), ctx, seed)
+    train(f"moe/{arm.label}", model, lm_loss, data, from_scratch(preset), ctx=ctx, seed=seed)
     loads = []
 
     def watch(m, x, y):  # the trained model's expert loads on each held-out batch

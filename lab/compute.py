@@ -267,7 +267,7 @@ def regime(effect, start, done, preset, ctx, seed, data, others):
     rows, runs, last = [], {}, None
     for arm, model, arm_stage in arms:
         model = model.to(ctx.device)
-        train(f"{effect.id}/{arm.label}", model, lm_loss, data, arm_stage, ctx, seed, first_batch=done)
+        train(f"{effect.id}/{arm.label}", model, lm_loss, data, arm_stage, ctx=ctx, seed=seed, first_batch=done)
         metrics = evaluate(model, data, preset, ctx)
         runs[arm] = (training_flops(model, arm_stage), metrics["loss"])
         seen = (done + arm_stage.steps) * arm_stage.batch * arm_stage.block / len(data.split["train"])

@@ -49,11 +49,8 @@ def checkpoint_path(ctx, name, seed):
 
 
 def save_checkpoint(ckpt, model, opts, done, losses, meta):
-    """The state after step `done` and what it belongs to (meta), after the sha256 of its bytes;
-    non-finite weights are refused (a finite loss can still leave them)."""
-    if not all(torch.isfinite(p).all() for p in model.parameters() if p.requires_grad):
-        raise SystemExit(f"error: [{meta['arm']} s{meta['seed']}] the weights are not finite after step {done}; "
-                         f"nothing of this arm is saved or reported (try a lower lr)")
+    """The state after step `done` and what it belongs to (meta), after the sha256 of its bytes
+    (the trainer has checked that the weights are finite)."""
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     write_checkpoint(ckpt, {"model": model.state_dict(), "opts": [o.state_dict() for o in opts], "iter": done,
@@ -102,6 +99,12 @@ def resume(ckpt, model, opts, dev, meta):
     if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
         raise SystemExit(f"error: checkpoint {ckpt} holds non-finite weights; {fix}")
     return state["iter"], state["losses"]
+
+
+class Checkpoints:
+    """A stage's checkpoints as the trainer keeps them (trainer.Context.checkpoints, given by
+    lab/runner.py): the functions above. An object, not this module, so that a context pickles."""
+    checkpoint_path, resume, save_checkpoint = map(staticmethod, (checkpoint_path, resume, save_checkpoint))
 
 
 # -----------------------------------------------------------------------------

@@ -279,6 +279,16 @@ def save_hd_line(ctx, model, data, block):
     save_inside(ctx, "hd_line.md", stream_line(model, data.windows(ctx.eval_split, block)[0][0], data.decode))
 
 
+def hd_probes(trained, preset, ctx, seed, data):
+    """The probes of HD §5.2-5.3 on each n > 1 the HD protocol trained (protocols.HDTrained), and
+    HD Fig. 8 on the largest n in the first seed, kept with the run."""
+    windows = data.windows(ctx.eval_split, preset.block)[0]
+    rows = [r for n, model in trained.models.items() if n > 1 for r in hd_rows(model, windows, preset.batch, seed)]
+    if seed == ctx.seeds[0]:
+        save_hd_line(ctx, trained.models[max(preset.hd_ns)], data, preset.block)
+    return rows
+
+
 def plot_hd_streams(summary, out, ns):
     """HD's streams figure (figures.plot_streams) over the n > 1 of ns."""
     effects = {n: hd_effects(n) for n in ns if n > 1}
@@ -337,6 +347,23 @@ def tah_diagnostics(effects, mode, tokens, seed):
             "easy answers sent on": share(sent), "of those, right after pass 1": share(tokens["first_ok"][sent]),
             "of those, right after pass 2": share(tokens["ok"][sent])})
     return []
+
+
+def tah_probes(trained, effects, seed, keep_problem=False):
+    """From what a TaH protocol trained (protocols.TaHTrained): the diagnostics of each routing
+    mode it evaluated, and on lookups what the second pass does (TaH Figs. 5, 7); keep_problem: the
+    first seed's two-hop problem kept with the run too (the headline suite's)."""
+    rows = [r for mode, tokens in trained.tokens.items() for r in tah_diagnostics(effects, mode, tokens, seed)]
+    if effects.inside is not None:
+        rows += tah_rows(trained.models["tah"], trained.batches(), trained.data, seed, effects.inside)
+        if keep_problem and seed == trained.ctx.seeds[0]:
+            save_tah_problem(trained.ctx, trained.models["tah"], next(trained.batches())[0], trained.data)
+    return rows
+
+
+def claims(ns, tah_effects, task):
+    """The probes' claims of the headline suites: HD's per n > 1 of ns, TaH's on one task's effects."""
+    return [c for n in ns if n > 1 for c in hd_claims(n)], tah_claims(tah_effects.inside, task)
 
 
 def tah_claims(effect, task):

@@ -13,7 +13,6 @@ from dataclasses import fields
 
 from checks import MAX_INT, check_fits
 from protocols import hd_config, tah_config
-from lab.arith import Arith
 from tasks import Lookups
 
 MAX_STEPS, MAX_SEEDS = 10**6, 1000  # the counts' stated maxima: steps (every *iters, warm-up, batches), seeds
@@ -23,11 +22,12 @@ COUNTS = {"seeds": MAX_SEEDS, **{f: MAX_STEPS for f in ("iters", "warmup", "hd_b
 TEXT_VOCAB = 100_000  # the text's vocabulary is known only once it is read: at most cl100k's, for the size rule
 
 
-def check_preset(preset, *, device="cpu", suites=(), text_suites=(), world=1, accum=1, sharing=1):
+def check_preset(preset, *, device="cpu", suites=(), text_suites=(), world=1, accum=1, sharing=1, ablations=False):
     """Every field in range, each suite's global batch (text_suites: those that train on text) cut
     into `world` ranks x `accum` micro-steps (an uneven cut is fine), and the models it builds
     valid and within the device's memory, shared by `sharing` processes (the one rule for sizes,
-    checks.check_fits): the first problem as one line, or None."""
+    checks.check_fits): the first problem as one line, or None. The addition task's model (lab/arith.py)
+    is checked where it may run: with ablations (--suite all, --smoke), tah-add, or no suites named."""
     for f in fields(preset):
         v = getattr(preset, f.name)
         if isinstance(v, int) and not 1 <= v <= COUNTS.get(f.name, MAX_INT):
@@ -51,22 +51,24 @@ def check_preset(preset, *, device="cpu", suites=(), text_suites=(), world=1, ac
                    "(--accum)"
     if "hd-compute" in suites:  # its arms beyond HD's: a longer stage, the looped model
         from lab import compute
-        if problem := compute.check_arms(preset, vocab=TEXT_VOCAB, max_steps=MAX_STEPS, device=device,
-                                             sharing=sharing):
+        if problem := compute.check_arms(preset, vocab=TEXT_VOCAB, max_steps=MAX_STEPS, device=device, sharing=sharing):
             return problem
-    return check_models(preset, device, sharing)
+    return check_models(preset, device, sharing, addition=ablations or not suites or "tah-add" in suites)
 
 
-def check_models(preset, device, sharing=1):
-    for name, task in (("symbols/queries", Lookups(preset.symbols, preset.queries, preset.two_hop, per_problem=True)),
-                       ("digits", Arith(preset.digits))):
+def check_models(preset, device, sharing=1, addition=True):
+    problems = [("symbols/queries", Lookups(preset.symbols, preset.queries, preset.two_hop, per_problem=True))]
+    if addition:  # imported here: a plain run has no addition task
+        from lab.arith import Arith
+        problems.append(("digits", Arith(preset.digits)))
+    for name, task in problems:
         if task.problem_len > preset.block:
             return (f"--block {preset.block} holds no whole {type(task).__name__} problem ({task.problem_len} "
                     f"tokens): raise --block or lower --{name}")
     try:
         cfgs = [(hd_config(preset, TEXT_VOCAB, max(preset.hd_ns)), preset.batch)]
         lookups = Lookups(preset.symbols, preset.queries, preset.two_hop, preset.three_hop)
-        for task, layers in ((lookups, preset.tah_layers), (Arith(preset.digits), preset.add_layers)):
+        for task, layers in [(lookups, preset.tah_layers)] + [(t, preset.add_layers) for _, t in problems[1:]]:
             cfgs.append((tah_config(preset, task, layers), preset.tah_batch))
     except ValueError as e:
         return f"this preset builds no valid model: {e}"

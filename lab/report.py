@@ -1,6 +1,6 @@
 """
-The report of train_tiny.py, from result rows alone: the rows' vocabulary (Effect, Arm, Claim,
-result_rows), the tables (a markdown table per effect: mean ± std over seeds, the paired difference
+The report of train_tiny.py, from result rows alone (their vocabulary, Effect, Arm, Claim and
+result_rows, is protocols.py's, beside the rule): the tables (a markdown table per effect: mean ± std over seeds, the paired difference
 to its first arm), the verdicts' table (judged by protocols.judge), the 95% intervals, and claims
 pooled over a grid of cells (RESULTS.md).
 
@@ -14,92 +14,14 @@ if __name__ == "__main__":  # no script: one line saying what to run (first: by 
     sys.exit(2)
 
 import json
-from dataclasses import KW_ONLY, dataclass
 
 import numpy as np
 import torch
 
 from hd import attention_path
+from protocols import T975, Arm, Claim, Effect, finite_reals, interval95, result_rows, t_interval  # noqa: F401 (the rows' vocabulary)
 
 from lab.files import atomic
-
-
-@dataclass(frozen=True)
-class Effect:
-    """One comparison of the report, with the paper's figure it is set against. `id` is what
-    claims match rows on; `name` is the caption, free to change."""
-    id: str
-    name: str
-    paper: str
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One arm of an effect: `id` is what claims match rows on; `label` is what the tables show."""
-    id: str
-    label: str
-
-
-def result_rows(effect, arm, seed, metrics):
-    """One row per metric of one arm's results in one seed."""
-    if not (isinstance(effect, Effect) and isinstance(arm, Arm)):
-        raise TypeError(f"result_rows takes an Effect and an Arm, got {type(effect).__name__} and {type(arm).__name__}")
-    return [dict(effect=effect.name, effect_id=effect.id, paper=effect.paper, arm=arm.label, arm_id=arm.id, metric=m,
-                 seed=seed, value=v) for m, v in metrics.items()]
-
-
-@dataclass
-class Claim:
-    """The paper says `arm` differs from `baseline` (another Arm, or a target number) in `metric`
-    with sign `sign` (+1: higher)."""
-    name: str
-    effect: Effect
-    arm: Arm
-    _: KW_ONLY
-    baseline: object
-    metric: str
-    sign: int
-    margin: float = 0.0  # a non-inferiority claim: the arm may fall short of the baseline by this much
-
-    def __post_init__(self):
-        if not (isinstance(self.effect, Effect) and isinstance(self.arm, Arm)
-                and isinstance(self.baseline, (Arm, int, float))):
-            raise TypeError(f"claim {self.name!r}: an Effect, an Arm and a baseline Arm or number, got "
-                            f"{type(self.effect).__name__}, {type(self.arm).__name__}, {type(self.baseline).__name__}")
-
-
-def finite_reals(values, name):
-    """values as a 1-D float array, or one line saying why they are not finite reals."""
-    if isinstance(values, np.ndarray):
-        ok = values.ndim == 1 and values.dtype.kind in "fiu"
-    else:
-        ok = isinstance(values, (list, tuple)) and all(
-            isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) for v in values)
-    if not ok or not np.all(np.isfinite(np.asarray(values, dtype=float))):
-        raise ValueError(f"{name} must be finite real numbers in one dimension, got {values!r}")
-    if len(values) == 0:
-        raise ValueError(f"{name} is empty: there is nothing to judge")
-    return np.asarray(values, dtype=float)
-
-
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
-        29: 2.045, 30: 2.042}  # Student's t, 97.5% quantile, by degrees of freedom
-
-
-def interval95(deltas):
-    """The 95% interval of the mean paired difference (Student's t), or None under 2 seeds."""
-    d = np.asarray(deltas, dtype=float)
-    if len(d) < 2 or not np.all(np.isfinite(d)):
-        return None
-    return t_interval(d.mean(), d.std(ddof=1), len(d))
-
-
-def t_interval(mean, std, n):
-    """mean ± the t quantile (n - 1 degrees of freedom) times std / sqrt(n)."""
-    half = T975.get(n - 1, 1.96) * std / np.sqrt(n)
-    return float(mean - half), float(mean + half)
 
 
 def pooled(runs):

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 import tasks
-from lab import startup
-from lab.files import load_rows, save_rows
+from lab import flops, startup
+from lab.files import Checkpoints, load_rows, save_rows
 from trainer import Context, log
 
 MAX_SEED0 = (2**63 - 1 - 2 * 10**9) // 1_000_003 - 10**6  # room for 10^6 seeds and 10^9 steps
@@ -215,18 +215,18 @@ def parse_flags(argv, *, doc, presets, suites, headline, text_suites, check):
                                              if hasattr(a, f.name)})
     jobs = a.jobs or (1 if DDP else max(1, usable_cores() // a.threads))  # on one GPU too: the processes share it
     if problem := check(preset, device=a.device, suites=names, text_suites=text_suites, world=WORLD, accum=a.accum,
-                        sharing=min(jobs, len(names) * preset.seeds)):
+                        sharing=min(jobs, len(names) * preset.seeds), ablations=a.suite == "all" or a.smoke):
         ap.error(problem)
     if a.data:  # read, tokenized and long enough for the block before the run's folder is made
         try:
-            tasks.load_text(a.data, (), preset.block, cache_dir=None)
+            tasks.load_text(a.data, (), preset.block)
         except (SystemExit, OSError) as e:
             ap.error(f"--data {a.data} cannot be read ({e.strerror})" if isinstance(e, OSError) else
                      str(e.code).removeprefix("error: "))
     seeds, split = range(a.seed0, a.seed0 + preset.seeds), "dev" if a.dev else "val"
     ctx = Context(Path(), device=a.device, seeds=seeds, eval_split=split, eval_seed=EVAL_SEED[split],
                   ablations=a.suite == "all" or a.smoke, muon=a.muon, accum=a.accum, compile=a.compile,
-                  log_every=a.log_every, ckpt_every=a.ckpt_every)
+                  log_every=a.log_every, ckpt_every=a.ckpt_every, checkpoints=Checkpoints(), flops=flops.per_token)
     launch = f"torchrun --nproc_per_node={WORLD} train_tiny.py" if DDP else "python train_tiny.py"
     machine = (torch.cuda.get_device_name() if a.device.startswith("cuda") else
                f"CPU ({os.cpu_count()} cores; --jobs {jobs}, --threads {a.threads})") + f", world size {WORLD}" * DDP
@@ -351,17 +351,17 @@ class Jobs:
                    "gives its stage's)" if flags.jobs >= len(self.todo) else ""))
             self.results = multiprocessing.get_context("spawn").Queue()
 
-    def train(self, work, *, suite, seed, data):
-        """One (suite, seed)'s rows = work(suite, preset, ctx, seed, data) (a module-level function: a
-        spawned process imports it), here or in a --jobs process; skipped if done."""
+    def submit(self, work, suite, preset, ctx, seed, data):
+        """Runs work(suite, preset, ctx, seed, data) -> one (suite, seed)'s rows (a module-level
+        function: a spawned process imports it), here or in a --jobs process; skipped if done."""
         if (suite, seed) not in self.todo:
             return log(f"{suite} seed {seed}: already done, skipped")
         if not self.parallel:
             self.running[suite, seed] = (time.time(), None)
-            return self.finished(suite, seed, work(suite, self.flags.preset, self.ctx, seed, data))
+            return self.finished(suite, seed, work(suite, preset, ctx, seed, data))
         while len(self.running) >= self.flags.jobs:
             self.collect()
-        job = (work, suite, self.flags.preset, self.ctx, seed, data, self.flags.threads, self.workers)
+        job = (work, suite, preset, ctx, seed, data, self.flags.threads, self.workers)
         process = multiprocessing.get_context("spawn").Process(target=in_process, args=(self.results, job), daemon=True)
         self.running[suite, seed] = (time.time(), process)
         with ctrl_c_deferred():  # Ctrl-C stops the parent (never lost), which stops the processes

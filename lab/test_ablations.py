@@ -12,20 +12,20 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import protocols
 import tasks
 import train_tiny as tt
 import trainer
-from conftest import patch_train, suite_ctx, suite_run
+from conftest import examples, patch_train, suite_ctx, suite_run
 from hd import HDConfig, HiddenDecoding, expand_streams
 from lab import ablations
 from tah import ThinkAtHard
 from tasks import Lookups
 
 
-@settings(max_examples=10, deadline=None)
+@examples(10)
 @given(per_problem=st.booleans(), seed=st.integers(0, 10_000), T=st.integers(4, 70))
 def test_the_token_type_router_iterates_exactly_its_token_kind(per_problem, seed, T):
     """TokenRouter: 2 passes at every position whose token is a query that can need two hops (per
@@ -40,7 +40,7 @@ def test_the_token_type_router_iterates_exactly_its_token_kind(per_problem, seed
             assert got[b, t].item() == (2 if kind else 1)
 
 
-@settings(max_examples=5, deadline=None)
+@examples(5)
 @given(seed=st.integers(0, 10_000))
 def test_iterated_labels_give_a_third_pass_to_the_tah2_models_depth2_mistakes(seed):
     """TaH-3's iterated labels, brute force over one row at a time: 1 where the reference is right
@@ -67,16 +67,16 @@ def test_iterated_labels_give_a_third_pass_to_the_tah2_models_depth2_mistakes(se
 def test_hd_ablations_continue_the_n1_checkpoint_on_the_headline_batches(tmp_path, monkeypatch):
     seen, real = {}, trainer.train  # name -> (config, backbone at the start, batches)
 
-    def spy(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
+    def spy(name, model, loss_fn, data, P, *, ctx, seed, on_step=None, **kw):
         if "continued" not in name:
-            return real(name, model, loss_fn, data, P, args, seed, on_step, **kw)
+            return real(name, model, loss_fn, data, P, ctx=ctx, seed=seed, on_step=on_step, **kw)
         batches = []
 
         def recording(m, x, y):
             batches.append((x.clone(), y.clone()))
             return loss_fn(m, x, y)
         seen[name] = model.cfg, copy.deepcopy(model.backbone.state_dict()), batches
-        return real(name, model, recording, data, P, args, seed, on_step, **kw)
+        return real(name, model, recording, data, P, ctx=ctx, seed=seed, on_step=on_step, **kw)
     patch_train(monkeypatch, spy)
     P = tt.PRESETS["smoke"]
     text = tasks.TextData("Out, out, brief candle! Life's but a walking shadow, a poor player " * 60, tmp_path / "t.npz")
@@ -125,9 +125,9 @@ def test_progressive_expansion_chain_keeps_the_function_at_each_stage():
 def test_the_progressive_suites_control_sees_the_batches_of_the_expanded_arms(tmp_path, monkeypatch):
     seen, real = [], trainer.train
 
-    def recording(name, model, loss_fn, data, stage, args, seed, on_step=None, first_batch=0):
+    def recording(name, model, loss_fn, data, stage, *, ctx, seed, on_step=None, first_batch=0):
         seen.append((name, first_batch, stage.steps, getattr(model.cfg, "n_streams", 1)))
-        return real(name, model, loss_fn, data, stage, args, seed, on_step, first_batch=first_batch)
+        return real(name, model, loss_fn, data, stage, ctx=ctx, seed=seed, on_step=on_step, first_batch=first_batch)
     patch_train(monkeypatch, recording)
     tt.main(["--smoke", "--suite", "hd-progressive", "--out", str(tmp_path)])
     P = tt.PRESETS["smoke"]

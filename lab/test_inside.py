@@ -12,8 +12,9 @@ import numpy as np
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
+from conftest import examples
 import moe
 from hd import HDConfig, HiddenDecoding
 from lab import figures
@@ -21,7 +22,6 @@ from lab.inside import (OUTCOMES, attention_weights, entropy, head_probes, itera
                     reference_copy, stream_cosine, stream_mass, stream_states, tah_trace)
 from tah import TaHConfig, ThinkAtHard
 
-FAST = settings(max_examples=20, deadline=None)
 
 
 def hd_model(n=2, layout="IFLI", **kw):
@@ -55,7 +55,7 @@ def test_identical_tables_and_identity_backbone_give_same_token_cosine_one(n):
     assert (diff < 1 - 1e-3).all()  # different tokens' embeddings differ
 
 
-@FAST
+@examples(20)
 @given(st.integers(2, 4), st.integers(2, 7), st.integers(0, 2**31 - 1))
 def test_stream_cosine_matches_a_loop(n, L, seed):
     g = torch.Generator().manual_seed(seed)
@@ -74,7 +74,7 @@ def test_stream_cosine_matches_a_loop(n, L, seed):
         assert diff[layer].item() == pytest.approx(sum(d_vals) / len(d_vals), abs=1e-5)
 
 
-@FAST
+@examples(20)
 @given(st.integers(1, 4), st.integers(1, 6), st.integers(0, 2**31 - 1))
 def test_stream_mass_gives_back_the_mass_that_was_set(n, L, seed):
     """Each final-stream query spreads a chosen mass m_k over stream k's keys (any split over
@@ -150,7 +150,7 @@ def test_one_hot_head_gives_entropy_zero_and_every_stream_agrees():
     assert (probs.argmax(-1) == 5).all()
 
 
-@FAST
+@examples(20)
 @given(st.integers(2, 50), st.integers(0, 2**31 - 1))
 def test_entropy_matches_the_definition(V, seed):
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(seed)) * 3
@@ -161,7 +161,7 @@ def test_entropy_matches_the_definition(V, seed):
     assert entropy(torch.tensor([0.0, 0.0, 0.0, 0.0])).item() == pytest.approx(math.log(4))
 
 
-@FAST
+@examples(20)
 @given(st.integers(1, 40), st.integers(0, 2**31 - 1))
 def test_iteration_outcomes_match_a_loop(T, seed):
     g = torch.Generator().manual_seed(seed)

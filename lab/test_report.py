@@ -8,8 +8,9 @@ if __name__ == "__main__":  # no script: one line saying what to run (first: by 
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
+from conftest import examples
 import protocols
 from lab import report
 
@@ -66,7 +67,7 @@ def test_the_t_quantiles_hold_95_percent_of_students_t():
         assert abs(np.trapezoid(pdf, x) - 0.95) < 2e-4, dof
 
 
-@settings(max_examples=30, deadline=None)
+@examples(30)
 @given(a=st.lists(st.floats(-1, 1), min_size=2, max_size=6), b=st.lists(st.floats(-1, 1), min_size=2, max_size=6),
        noise=st.floats(0.01, 0.5))
 def test_pooled_counts_a_repeated_run_once_and_averages_a_seeds_runs(a, b, noise):

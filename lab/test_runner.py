@@ -23,14 +23,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 from torch._dynamo.testing import CompileCounter
 
 import protocols
+import tasks
 import tah
 import train_tiny as tt
 import trainer
-from conftest import HERE, SMOKE, flags, patch_train, tiny_backbone
+from conftest import HERE, SMOKE, examples, flags, patch_train, tiny_backbone
 from hd import HDConfig, HiddenDecoding
 from lab import files, flops, runner, tokens
 from lab.arith import Arith
@@ -161,7 +162,7 @@ def train_all(argv, work, data=None):
     with runner.open_run(parsed) as jobs:
         for suite in parsed.suites:
             for seed in parsed.seeds:
-                jobs.train(work, suite=suite, seed=seed, data=data)
+                jobs.submit(work, suite, parsed.preset, jobs.ctx, seed, data)
     return jobs
 
 
@@ -422,7 +423,7 @@ def test_bad_arguments_exit_with_one_clear_message(argv, words, capsys, tmp_path
 
 def test_missing_package_fails_clearly():
     with pytest.raises(SystemExit, match="not installed"):
-        tokens.package_dir("no_such_package_here")
+        tasks.package_dir("no_such_package_here")
 
 
 def block_path(path, as_folder):
@@ -526,7 +527,8 @@ def test_a_damaged_or_foreign_checkpoint_gives_one_line_naming_the_file(tmp_path
     P = trainer.Stage(steps=3, lr=3e-3, warmup=1, batch=4, block=16)
     key = ["k1"]  # the configuration the next train call belongs to
     train = lambda name, seed=0: trainer.train(name, tiny_backbone(), protocols.lm_loss, Arith(2), P,
-                                               trainer.Context(tmp_path, key[0], log_every=100, ckpt_every=1),
+                                               ctx=trainer.Context(tmp_path, key[0], log_every=100, ckpt_every=1,
+                                                               checkpoints=files.Checkpoints()),
                                                seed=seed)
     train("arm")
     train("other", seed=1)
@@ -632,12 +634,12 @@ def test_every_reported_number_is_the_same_after_a_kill_and_resume(tmp_path, mon
     class Killed(Exception):
         pass
 
-    def dies_once_at_each(name, model, loss_fn, data, P, args, seed, on_step=None, **kw):
+    def dies_once_at_each(name, model, loss_fn, data, P, *, ctx, seed, on_step=None, **kw):
         def kill(done):
             if (name, done) in KILLS and (name, done) not in killed:
                 killed.append((name, done))
                 raise Killed
-        return real(name, model, loss_fn, data, P, args, seed, on_step=kill, **kw)
+        return real(name, model, loss_fn, data, P, ctx=ctx, seed=seed, on_step=kill, **kw)
     patch_train(monkeypatch, dies_once_at_each)
     for _ in range(len(KILLS)):
         with pytest.raises(Killed):
@@ -850,7 +852,7 @@ def test_help_gives_each_default_once_in_the_form_the_flag_takes(capsys):
 
 @given(st.lists(st.floats(1, 100), min_size=0, max_size=6), st.lists(st.floats(1, 100), min_size=1, max_size=3),
        st.integers(1, 3), st.floats(0, 50))
-@settings(deadline=None)
+@examples(100)
 def test_the_jobs_time_left_is_when_the_last_process_is_free(waiting, running, jobs, ran):
     """runner.time_left: the running units finish, each waiting one goes (in order) to the first
     process free, every unit its suite's mean time so far. Against a step-by-step simulation of
@@ -888,7 +890,7 @@ def test_compiled_training_is_one_graph_per_arm_configuration_and_none_for_a_lat
 
     def train(name, model, *a, **kw):
         out = real_train(name, model, *a, **kw)
-        loss_fn, data, stage, run, seed = a[:5]
+        seed = kw["seed"]
         seen[seed] = whole.frame_count + passes.frame_count  # graphs after each seed's stages
         return out
     patch_train(monkeypatch, train)
