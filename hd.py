@@ -227,31 +227,20 @@ class HiddenDecoding(nn.Module):
         return [self.layer_plan(i, rows, None if caches is None else caches[i]) for i in range(cfg.n_layer)]
 
     def layer_plan(self, i, rows, cache):
-        """How block i runs (moe.LayerPlan): its attention path (attention_path), its mask in that
-        path's form, its query positions, and whether its streams fold into batch rows."""
-        cfg, n, dev, skip = self.cfg, self.cfg.n_streams, rows.t.device, self.mirror_skip_from()
+        """How block i runs (moe.LayerPlan): its letter's mask (layer_mask) as a dense matrix over
+        the rows its queries and keys are, the reference; or the same by a faster path
+        (attention_path, fast_plan: with the fast paths at the end of the file)."""
+        cfg, n, skip = self.cfg, self.cfg.n_streams, self.mirror_skip_from()
         final_only = skip is not None and i >= skip  # queries: the final-stream rows only
-        path = attention_path(cfg, i, final_only, dev, cached=cache is not None)
-        enter_skip = i == skip
-        if path == "fold":  # each stream a causal sequence of its own (new rows after `start` cached)
-            mask = causal_after(rows.start, rows.L, dev, rows.keys)
-            if final_only:  # the final stream alone, its K/V from its own rows of the source state
-                return StreamPlan(rows.final_pos, mask, cache, n, enter_skip, kv_pos=rows.final_pos, kv_final=True)
-            return StreamPlan(rows.fold_pos, mask, cache, n, enter_skip, fold=True)
-        mod = layer_mask(cfg, i)
+        path = attention_path(cfg, i, final_only, rows.t.device, cached=cache is not None)
+        if path != "dense":
+            return fast_plan(self, i, rows, cache, path, final_only)
         q_t = final_stream(rows.t, n, 0) if final_only else rows.t
-        if path == "causal":
-            mask = "causal"
-        elif path == "dense":  # a cached L layer's cache returns only the rows its window reaches
-            reach = self.kv_window(i) if cache is not None and rows.keys is None else None
-            t_kv = rows.t_kv if reach is None else rows.t_kv[max(0, rows.start * n - reach + 1):]
-            mask = dense_mask(mod, q_t, t_kv)
-        else:  # "block"
-            mask = block_mask(on_final_rows(mod, n) if final_only else mod,
-                              (cfg.layout[i], n, cfg.window, cfg.shared_kv, final_only), len(q_t), len(rows.t_kv), dev)
+        reach = self.kv_window(i) if cache is not None and rows.keys is None else None  # a cached L layer's
+        t_kv = rows.t_kv if reach is None else rows.t_kv[max(0, rows.start * n - reach + 1):]  # window of rows
         # under the skip the keys still come from every row of the source state, at their positions
-        return StreamPlan(rows.final_pos if final_only else rows.pos, mask, cache, n, enter_skip,
-                          kv_pos=rows.pos if final_only else None)
+        return StreamPlan(rows.final_pos if final_only else rows.pos, dense_mask(layer_mask(cfg, i), q_t, t_kv), cache,
+                          n, i == skip, kv_pos=rows.pos if final_only else None)
 
     def head(self, h):
         return self.backbone.lm_head(self.backbone.norm_f(h))
@@ -369,6 +358,26 @@ def block_mask(mask_mod, key, Tq, Tk, device):
             BLOCK_MASKS.pop(next(iter(BLOCK_MASKS)))  # the oldest
         BLOCK_MASKS[full_key] = create_block_mask(mask_mod, None, None, Tq, Tk, device=device)
     return BLOCK_MASKS[full_key]
+
+
+def fast_plan(model, i, rows, cache, path, final_only):
+    """layer_plan by a fast path: "fold" (each stream a causal sequence of its own, new rows after
+    `start` cached), "causal" (SDPA's causal kernel) or "block" (a flex BlockMask of the same mask)."""
+    cfg, n, dev, enter_skip = model.cfg, model.cfg.n_streams, rows.t.device, i == model.mirror_skip_from()
+    if path == "fold":
+        mask = causal_after(rows.start, rows.L, dev, rows.keys)
+        if final_only:  # the final stream alone, its K/V from its own rows of the source state
+            return StreamPlan(rows.final_pos, mask, cache, n, enter_skip, kv_pos=rows.final_pos, kv_final=True)
+        return StreamPlan(rows.fold_pos, mask, cache, n, enter_skip, fold=True)
+    mod = layer_mask(cfg, i)
+    if path == "causal":
+        mask = "causal"
+    else:  # "block"
+        queries = len(final_stream(rows.t, n, 0)) if final_only else len(rows.t)
+        mask = block_mask(on_final_rows(mod, n) if final_only else mod,
+                          (cfg.layout[i], n, cfg.window, cfg.shared_kv, final_only), queries, len(rows.t_kv), dev)
+    return StreamPlan(rows.final_pos if final_only else rows.pos, mask, cache, n, enter_skip,
+                      kv_pos=rows.pos if final_only else None)
 
 
 def attention_path(cfg, i, final_only, device, cached=False):

@@ -207,20 +207,9 @@ def attend(q, k, v, mask):
     the dense path's boolean tensor broadcastable to (B, H, Tq, Tk), or None (every key: a decode
     step); the flex path's BlockMask. A row that sees no key gives 0 on every path."""
     check_attend(q, k, v, mask)
-    gqa = q.size(1) != k.size(1)
-    if isinstance(mask, BlockMask):
-        if q.is_cuda and not torch.compiler.is_compiling():
-            return FLEX(q, k, v, block_mask=mask, enable_gqa=gqa)
-        # inside a compiled model Dynamo traces flex with the model; on CPU the eager form is the reference
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
-    if isinstance(mask, str):  # "causal"
-        return sdpa(q, k, v, None, is_causal=True)
-    Tq, G = q.size(2), q.size(1) // k.size(1)  # G: query heads per K/V head
-    per_query = mask is None or (mask.dim() >= 2 and mask.size(-2) == Tq
-                                 and (mask.dim() == 2 or mask.size(-3) == 1))
-    if gqa and Tq * G <= 32 and per_query:  # a decode step's few queries; 32 rows: bench.py 4e
-        return attend_folded(q, k, v, mask)
-    return sdpa(q, k, v, mask)
+    if isinstance(mask, (BlockMask, str)) or folds(q, k, mask):
+        return attend_fast(q, k, v, mask)  # the same attention by a faster route (the fast paths, at the end)
+    return sdpa(q, k, v, mask)  # the reference: SDPA under a dense mask (None: every key)
 
 
 # -----------------------------------------------------------------------------
@@ -477,6 +466,30 @@ def fast_experts(m, x, idx, weights, counts, mode, dt):
     g, u = F.grouped_mm(x[token].to(dt), m.w_gate_up.to(dt), offs=offs).chunk(2, dim=-1)
     ys = F.grouped_mm((F.silu(g) * u).contiguous(), m.w_down.to(dt), offs=offs) * weights.flatten()[order, None]
     return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+
+
+def attend_fast(q, k, v, mask):
+    """attend's fast paths: a flex BlockMask (on CUDA the one compiled flex, FLEX), "causal" (SDPA's
+    causal kernel), a decode step's few GQA queries folded per K/V head (attend_folded)."""
+    gqa = q.size(1) != k.size(1)
+    if isinstance(mask, BlockMask):
+        if q.is_cuda and not torch.compiler.is_compiling():
+            return FLEX(q, k, v, block_mask=mask, enable_gqa=gqa)
+        # inside a compiled model Dynamo traces flex with the model; on CPU the eager form is the reference
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    if isinstance(mask, str):  # "causal"
+        return sdpa(q, k, v, None, is_causal=True)
+    return attend_folded(q, k, v, mask)
+
+
+def folds(q, k, mask):
+    """Whether a dense-path call is a decode step's few GQA queries, which attend_folded runs: each
+    query's own mask row (or none), at most 32 rows per K/V head (bench.py 4e)."""
+    if isinstance(mask, (BlockMask, str)) or q.size(1) == k.size(1):
+        return False
+    Tq, G = q.size(2), q.size(1) // k.size(1)  # G: query heads per K/V head
+    per_query = mask is None or (mask.dim() >= 2 and mask.size(-2) == Tq and (mask.dim() == 2 or mask.size(-3) == 1))
+    return Tq * G <= 32 and per_query
 
 
 def sdpa(q, k, v, mask, is_causal=False):
