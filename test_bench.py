@@ -22,7 +22,7 @@ def test_quick_bench_prints_every_section(capfd):
     for title in ("1. Attention alone", "2. HD training step", "3. KV-mirror final-stream skip", "4. HD serving",
                   "4b. KV cache", "4c. HD decode tokens/s against prompt length", "4d. Where a decode step's time goes",
                   "4e. Attention of a decode step", "4f. The L layer alone", "4h. The MoE layer alone", "5. TaH",
-                  "5b. Where TaH's extra cost goes", "8. Aten ops per step", "9. A loop against HD's streams"):
+                  "5b. Where TaH's extra cost goes", "8. Aten ops per step", "9. A loop and ParScale against HD's streams"):
         assert title in out, title
     assert "x |" in out  # ratios were printed
 

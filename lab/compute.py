@@ -158,7 +158,8 @@ class ParScale(nn.Module):
         rows = idx.repeat(P, 1)  # copy-major: row p * B + b is copy p of sequence b
         plans = m.plans(rows, caches)
         plans = [replace(plan, mask=self.prefixed(plan.mask, i, T, idx.device),
-                         cache=Prefixed(self.prefix_k[i], self.prefix_v[i], B, None if caches is None else caches[i]))
+                         cache=Prefixed(self.prefix_k[i], self.prefix_v[i], rows=B,
+                                          cache=None if caches is None else caches[i]))
                  for i, plan in enumerate(plans)]
         h = m.backbone.norm_f(m.backbone.run_blocks(m.embed(rows), plans)).view(P, B, T, -1)
         w = torch.softmax(upcast(self.aggregate(h.permute(1, 2, 0, 3).flatten(2))), dim=-1)  # (B, T, P)
@@ -185,8 +186,8 @@ class Prefixed:
     """ParScale's K/V for one layer: the copies' prefix rows (P, Hkv, prefix, hd), each repeated
     over B sequences, ahead of the keys the layer made (and of those its cache holds)."""
 
-    def __init__(self, k, v, B, cache):
-        self.k, self.v, self.B, self.cache = k, v, B, cache
+    def __init__(self, k, v, *, rows, cache=None):
+        self.k, self.v, self.B, self.cache = k, v, rows, cache
 
     def update(self, k, v):
         if self.cache is not None:
@@ -243,10 +244,11 @@ def hd_compute(preset, ctx, seed, data):
     loss on this seed's curve of more steps in its regime, over the arm's."""
     base = protocols.hd_backbone(preset, ctx, seed, data, "hd-compute")
     ks, stage = preset.hd_ns[1:], protocols.continuation(preset)
-    rows, last = regime(HD_COMPUTE, base, preset.hd_base_iters, preset, ctx, seed, data,
-                        [(looped_arm(k), lambda m, k=k: Looped(m, k)) for k in ks]
+    run = dict(preset=preset, ctx=ctx, seed=seed, data=data)
+    rows, last = regime(HD_COMPUTE, base, preset.hd_base_iters, **run,
+                        others=[(looped_arm(k), lambda m, k=k: Looped(m, k)) for k in ks]
                         + [(parscale_arm(k), lambda m, k=k: ParScale(m, k)) for k in ks])
-    late, _ = regime(LATE, last, preset.hd_base_iters + longest(stage).steps, preset, ctx, seed, data, [])
+    late, _ = regime(LATE, last, preset.hd_base_iters + longest(stage).steps, **run)
     return rows + late
 
 
@@ -254,7 +256,7 @@ def longest(stage):
     return replace(stage, steps=max(1, round(max(STEPS) * stage.steps)))
 
 
-def regime(effect, start, done, preset, ctx, seed, data, others):
+def regime(effect, start, done, *, preset, ctx, seed, data, others=()):
     """One regime's arms from the n = 1 model `start`, trained for `done` steps (the batches the
     arms read from): HD n for each of --hd_ns (n = 1, the control), n = 1 for each of STEPS x the
     continuation's steps, and `others` [(arm, the model made from an n = 1 copy)]. Returns the
@@ -315,11 +317,11 @@ def loss_claim(name, arm, baseline):
 
 def claims(ns):
     """For each k of --hd_ns past 1, the largest first: HD n = k against the gated loop x k (the
-    same parameters and tokens; as run n = k spends less), against ParScale P = k (parallel copies
+    same tokens and non-embedding weights; as run n = k spends less), against ParScale P = k (parallel copies
     of the same backbone), and n = k's compute worth more than more steps (its effective compute
     above 1); then, late, n = k against the control and its effective compute above 1."""
     return [c for k in reversed(ns[1:]) for c in (
-        loss_claim(f"HD compute: n={k} beats n=1 looped x{k} (the same parameters and tokens)", streams_arm(k),
+        loss_claim(f"HD compute: n={k} beats n=1 looped x{k} (the same tokens and non-embedding weights)", streams_arm(k),
                    looped_arm(k)),
         loss_claim(f"HD compute: n={k} beats ParScale P={k} (the same backbone, {k} parallel copies)", streams_arm(k),
                    parscale_arm(k)),

@@ -364,7 +364,7 @@ class Jobs:
         job = (work, suite, preset, ctx, seed, data, self.flags.threads, self.workers)
         process = multiprocessing.get_context("spawn").Process(target=in_process, args=(self.results, job), daemon=True)
         self.running[suite, seed] = (time.time(), process)
-        with ctrl_c_deferred():  # Ctrl-C stops the parent (never lost), which stops the processes
+        with signals_deferred():  # Ctrl-C or SIGTERM stops the parent (never lost), which stops the processes
             process.start()
 
     def wait(self):
@@ -442,17 +442,20 @@ def in_process(results, job):
 
 
 @contextlib.contextmanager
-def ctrl_c_deferred():
-    """A Ctrl-C while a --jobs process starts is held until the start returns, never lost. The
-    blocked SIGINT is inherited, so the child drops its copy (in_process) and only the parent
-    answers, with one line, stopping the rest."""
-    held = []
-    before = signal.signal(signal.SIGINT, lambda sig, frame: held.append(sig))
+def signals_deferred():
+    """A Ctrl-C or a SIGTERM while a --jobs process starts is held until the start returns, never
+    lost, and never cuts the start short (a child half-sent its task dies with a traceback). SIGINT
+    is also blocked, and so inherited blocked: the child drops its copy of a terminal's Ctrl-C
+    (in_process) and only the parent answers, with one line, stopping the rest. SIGTERM stays
+    unblocked, so that stopping the child (Process.terminate) works from its first instruction."""
+    held, both = [], (signal.SIGINT, signal.SIGTERM)
+    before = {sig: signal.signal(sig, lambda sig, frame: held.append(sig)) for sig in both}
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        signal.signal(signal.SIGINT, before)
-    if held and callable(before):  # Python's handler raises KeyboardInterrupt; an ignored SIGINT stays ignored
-        before(signal.SIGINT, None)
+        for sig in both:
+            signal.signal(sig, before[sig])
+    for sig in dict.fromkeys(held):  # answered now as they would have been: raised, ignored, or the default
+        signal.raise_signal(sig)

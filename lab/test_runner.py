@@ -745,6 +745,26 @@ def test_ctrl_c_while_a_jobs_process_starts_is_not_lost(tmp_path):
     assert all_ended(pids_written([tmp_path / "pid0"]) if (tmp_path / "pid0").exists() else [])
 
 
+@pytest.mark.parametrize("sig, raised", [(signal.SIGTERM, runner.Terminated), (signal.SIGINT, KeyboardInterrupt)])
+def test_a_signal_during_a_jobs_process_start_is_answered_after_it(sig, raised):
+    """A SIGTERM or Ctrl-C that lands inside a --jobs process's start (signals_deferred) is held
+    until the start returns, then answered by the run's own handler. (Before, a SIGTERM cut the
+    start short: the process, half-sent its task, died on an EOFError's traceback.)"""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, runner.stop_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    steps = []
+    try:
+        with pytest.raises(raised):
+            with runner.signals_deferred():
+                signal.raise_signal(sig)
+                steps.append("the start went on")
+        assert steps == ["the start went on"]
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def test_a_master_port_out_of_range_is_refused_at_start():
     env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="99999")
     with pytest.raises(SystemExit, match="MASTER_PORT must be a port in 1..65535, got 99999"):
