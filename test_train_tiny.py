@@ -317,7 +317,8 @@ def test_hd_continuations_start_from_one_checkpoint_and_see_the_same_batches(tmp
         return real(name, model, recording, data, stage, ctx=ctx, seed=seed, on_step=on_step, **kw)
     patch_train(monkeypatch, spy)
     P = replace(tt.PRESETS["smoke"], hd_cont_lr=1e-3)
-    text = tasks.TextData("Is this a dagger which I see before me, the handle toward my hand? " * 60, tmp_path / "t.npz")
+    text = tasks.TextData("Is this a dagger which I see before me, the handle toward my hand? " * 60,
+                          tokens.TokenCache(tmp_path / "t.npz"))
     suite_run("hd", P, suite_ctx(tmp_path), 0, text, ablations=False)
     assert sorted(seen) == [1, 2, 4]
     (body1, (e0,)), batches1 = seen[1]

@@ -20,7 +20,7 @@ import train_tiny as tt
 import trainer
 from conftest import examples, patch_train, suite_ctx, suite_run
 from hd import HDConfig, HiddenDecoding, expand_streams
-from lab import ablations
+from lab import ablations, tokens
 from tah import ThinkAtHard
 from tasks import Lookups
 
@@ -79,7 +79,8 @@ def test_hd_ablations_continue_the_n1_checkpoint_on_the_headline_batches(tmp_pat
         return real(name, model, recording, data, P, ctx=ctx, seed=seed, on_step=on_step, **kw)
     patch_train(monkeypatch, spy)
     P = tt.PRESETS["smoke"]
-    text = tasks.TextData("Out, out, brief candle! Life's but a walking shadow, a poor player " * 60, tmp_path / "t.npz")
+    text = tasks.TextData("Out, out, brief candle! Life's but a walking shadow, a poor player " * 60,
+                          tokens.TokenCache(tmp_path / "t.npz"))
     rows = suite_run("hd", P, suite_ctx(tmp_path), 0, text, ablations=True)
     _, body2, batches2 = seen["hd/n=2 continued"]
     trained = {}
