@@ -146,7 +146,7 @@ def train_seed(suite, preset, ctx, seed, data):
         return rows + inside.hd_probes(trained, preset, ctx, seed, data)  # what the streams hold (lab/inside.py)
     if suite == "tah" and not ctx.ablations:  # TaH: Standard, AlwaysThink, TaH (oracle, decider) on lookups
         rows, trained = protocols.tah_protocol(preset, ctx, seed, data)
-        return rows + inside.tah_probes(trained, protocols.TAH_EFFECTS, seed, keep_problem=True)
+        return inside.tah_probes(rows, trained, protocols.TAH_EFFECTS, seed, keep_problem=True)
     from lab import ablations
     return ablations.train_seed(suite, preset, ctx, seed, data)
 

@@ -38,8 +38,8 @@ def train_seed(suite, preset, ctx, seed, data):
     if suite in ("tah", "tah-add"):
         rows, trained = (protocols.tah_protocol(preset, ctx, seed, data) if suite == "tah"
                          else tah_addition(preset, ctx, seed, data))
-        rows += inside.tah_probes(trained, protocols.TAH_EFFECTS if suite == "tah" else TAH_ADD_EFFECTS, seed,
-                                  keep_problem=suite == "tah")
+        rows = inside.tah_probes(rows, trained, protocols.TAH_EFFECTS if suite == "tah" else TAH_ADD_EFFECTS, seed,
+                                 keep_problem=suite == "tah")
         return rows + (tah_attention_ablations(suite, preset, ctx, seed, data, trained) if ctx.ablations else [])
     if suite == "moe":
         rows, bias_on = moe_protocol(preset, ctx, seed, data)
@@ -272,7 +272,7 @@ def tah_hidden(preset, ctx, seed, data):
         return trained.evaluate(model, mode, threshold, route if mode == "router" else None)
     rows, trained.tokens = protocols.tah_routing_rows(TAH_HIDDEN_EFFECTS, trained.models, evaluate_routed, seed,
                                                       protocols.TAH_ARMS + [(TAH_ROUTER, "router", "router")])
-    return rows + inside.tah_probes(trained, TAH_HIDDEN_EFFECTS, seed)
+    return inside.tah_probes(rows, trained, TAH_HIDDEN_EFFECTS, seed)
 
 
 # "within the router's accuracy": at most 3 points below it. Fixed on the dev split (3 seeds) before any

@@ -349,11 +349,14 @@ def tah_diagnostics(effects, mode, tokens, seed):
     return []
 
 
-def tah_probes(trained, effects, seed, keep_problem=False):
-    """From what a TaH protocol trained (protocols.TaHTrained): the diagnostics of each routing
-    mode it evaluated, and on lookups what the second pass does (TaH Figs. 5, 7); keep_problem: the
-    first seed's two-hop problem kept with the run too (the headline suite's)."""
-    rows = [r for mode, tokens in trained.tokens.items() for r in tah_diagnostics(effects, mode, tokens, seed)]
+def tah_probes(rows, trained, effects, seed, keep_problem=False):
+    """`rows` (a TaH protocol's, from what it trained: protocols.TaHTrained) with the probes' rows:
+    the diagnostics of each routing mode it evaluated, right after the routing rows (where the
+    report shows them), and on lookups what the second pass does (TaH Figs. 5, 7); keep_problem:
+    the first seed's two-hop problem kept with the run too (the headline suite's)."""
+    diagnostics = [r for mode, tokens in trained.tokens.items() for r in tah_diagnostics(effects, mode, tokens, seed)]
+    at = max((i + 1 for i, r in enumerate(rows) if r["effect_id"] == effects.routing.id), default=len(rows))
+    rows = rows[:at] + diagnostics + rows[at:]
     if effects.inside is not None:
         rows += tah_rows(trained.models["tah"], trained.batches(), trained.data, seed, effects.inside)
         if keep_problem and seed == trained.ctx.seeds[0]:
