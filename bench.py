@@ -45,7 +45,7 @@ from generate import TaHCache, compiled_step, generate_tah, graphed_step, lora_m
 from hd import HDConfig, HiddenDecoding, expand_streams, fold, full, intra, local, unfold
 from lab.compute import Looped, ParScale
 from moe import GATHER_ROWS, MoE, ModelConfig, attend, attend_folded, dense_mask, dispatch as moe_dispatch
-from tah import LoRALinear, TaHConfig, ThinkAtHard
+from tah import LoRALinear, TaHConfig, ThinkAtHard, stage1_loss
 
 
 MAX_REPEATS = 1000  # --repeats: timed repeats per arm
@@ -305,7 +305,7 @@ def with_adapters(model, cls):
 
 def tah_train(model, idx, depths):
     def step():
-        model.stage1_loss(idx[:, :-1], idx[:, 1:], depths).backward()
+        stage1_loss(model, idx[:, :-1], idx[:, 1:], depths).backward()
         model.zero_grad(set_to_none=True)
     return step
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hd import HDConfig, HiddenDecoding, expand_streams
-from tah import TaHConfig, ThinkAtHard, oracle_depths
+from tah import TaHConfig, ThinkAtHard, oracle_depths, stage1_loss, stage2_loss
 from tasks import answer_exact
 from trainer import Stage, batch_gen, evaluate, finite_loss, train
 
@@ -374,7 +374,7 @@ def train_tah(name, model, oracle, data, stages, ctx, seed):
     then stage 2 (the decider alone)."""
     train(f"{name} stage 1", model, OracleLoss(oracle), data, stages.sft, ctx=ctx, seed=seed, first_batch=stages.base.steps)
     model.requires_grad_(False).decider.requires_grad_(True)  # stage 2: only the decider learns
-    train(f"{name} stage 2 (decider)", model, lambda m, x, y: m.stage2_loss(x, oracle(x, y))[0],
+    train(f"{name} stage 2 (decider)", model, lambda m, x, y: stage2_loss(m, x, oracle(x, y))[0],
           data, stages.stage2, ctx=ctx, seed=seed, first_batch=stages.base.steps + stages.sft.steps)
 
 
@@ -385,7 +385,7 @@ class OracleLoss:
         self.oracle = oracle
 
     def __call__(self, model, x, y):
-        return model.stage1_loss(x, y, self.oracle(x, y))
+        return stage1_loss(model, x, y, self.oracle(x, y))
 
 
 class Oracle:

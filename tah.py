@@ -358,7 +358,7 @@ class ThinkAtHard(nn.Module):
         w = torch.zeros(*vals.shape[:-1], E.size(0), dtype=E.dtype, device=E.device)
         return w.scatter(-1, ids, F.softmax(vals, dim=-1).to(E.dtype)) @ E
 
-    # -- switches, and the stage losses by their old names ---------------------------------
+    # -- switches ---------------------------------------------------------------------------
 
     def set_lora(self, active):
         for m in self.loras:
@@ -370,14 +370,6 @@ class ThinkAtHard(nn.Module):
         and their logits' slots (accumulate) are shapes read off the decider's scores, a graph break each."""
         self.passes_compiled = on
         return self
-
-    def stage1_loss(self, idx, targets, depths):
-        """Stage 1's loss (stage1_loss, under "Training (§4.3)" below)."""
-        return stage1_loss(self, idx, targets, depths)
-
-    def stage2_loss(self, idx, depths, pos_weight=None):
-        """Stage 2's loss (stage2_loss, under "Training (§4.3)" below): (loss, scores, labels)."""
-        return stage2_loss(self, idx, depths, pos_weight)
 
 
 COMPILED_PASS = torch.compile(ThinkAtHard.run_pass, fullgraph=True, dynamic=True)  # compiles at its first call

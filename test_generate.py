@@ -21,7 +21,7 @@ from generate import (KVCache, StaticTaHCache, TaHCache, WindowCache, compiled_s
                       make_caches, sample)
 from hd import HDConfig, HiddenDecoding
 from moe import ModelConfig, Transformer
-from tah import TaHConfig, ThinkAtHard
+from tah import TaHConfig, ThinkAtHard, stage1_loss, stage2_loss
 
 HERE = Path(__file__).resolve().parent
 SMALL = dict(vocab_size=61, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8, n_experts=4,
@@ -386,8 +386,8 @@ def test_training_evaluation_and_decoding_make_no_tensor_without_a_device(kind):
     with torch.device("meta"):
         if kind == "tah":
             depths = 1 + (idx[:, :-1] % 2)
-            model.stage1_loss(idx[:, :-1], idx[:, 1:], depths).backward()
-            model.stage2_loss(idx[:, :-1], depths)[0].backward()
+            stage1_loss(model, idx[:, :-1], idx[:, 1:], depths).backward()
+            stage2_loss(model, idx[:, :-1], depths)[0].backward()
             with torch.no_grad():
                 model(idx, mode="decider")
                 decoding.generate_tah(model.eval(), idx[:, :4], 4, temperature=0)

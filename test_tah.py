@@ -17,7 +17,7 @@ import tah
 from conftest import COMPILE_TINY, F64, FAST, cuda, examples, f64_batch, gradcheck_wrt
 from generate import TaHCache, generate_tah, lora_merged
 from moe import LayerPlan
-from tah import LoRALinear, TaHConfig, ThinkAtHard, dense_batch_mask, duo_causal, oracle_depths
+from tah import LoRALinear, TaHConfig, ThinkAtHard, dense_batch_mask, duo_causal, oracle_depths, stage1_loss, stage2_loss
 
 
 
@@ -433,7 +433,7 @@ def test_tah_decider_stage2_and_generate_run_in_the_weights_dtype_without_autoca
     out = model(idx, tgt, mode="decider")
     assert out.logits.dtype == dtype
     depths = oracle_depths(model(idx, mode="standard").logits, tgt, 2)
-    loss, scores, labels = model.stage2_loss(idx, depths)
+    loss, scores, labels = stage2_loss(model, idx, depths)
     assert torch.isfinite(loss) and scores.dtype == dtype
     tokens, d = generate_tah(model, idx[:, :2], 3, temperature=0)
     assert tokens.shape == (2, 5) and d.shape == (2, 4)
@@ -525,7 +525,7 @@ def test_stage1_loss_is_ce_at_the_oracle_depth():
     model = make(0)
     idx = torch.randint(53, (2, 8))
     depths = random_depths(torch.Generator().manual_seed(0), 2, 7, 2)
-    loss = model.stage1_loss(idx[:, :-1], idx[:, 1:], depths)
+    loss = stage1_loss(model, idx[:, :-1], idx[:, 1:], depths)
     out = model(idx[:, :-1], mode="oracle", depths=depths)
     torch.testing.assert_close(loss, F.cross_entropy(out.logits.flatten(0, 1), idx[:, 1:].flatten()))
     loss.backward()
@@ -540,7 +540,7 @@ def test_stage2_loss_trains_only_the_decider_on_oracle_labels(max_depth):
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(53, (2, 9), generator=g)
     depths = random_depths(g, 2, 9, max_depth)
-    loss, scores, labels = model.stage2_loss(idx, depths)
+    loss, scores, labels = stage2_loss(model, idx, depths)
     # labels by brute force: after pass d of token i (if it ran), continue iff D_i > d + 1
     ref = [float(depths[b, i] > d + 1) for d in range(max_depth - 1)
            for b in range(2) for i in range(9) if depths[b, i] > d]
@@ -556,7 +556,7 @@ def test_stage2_loss_trains_only_the_decider_on_oracle_labels(max_depth):
                 k += 1
         return total / k
     torch.testing.assert_close(loss, brute(), rtol=1e-12, atol=1e-12)  # float64 through, the weights too
-    torch.testing.assert_close(model.stage2_loss(idx, depths, pos_weight=4.8)[0], brute(4.8), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stage2_loss(model, idx, depths, pos_weight=4.8)[0], brute(4.8), rtol=1e-12, atol=1e-12)
     with torch.no_grad():  # the scores: the decider on a forward that runs every pass (stage 2 skips the last)
         full = model(idx, mode="oracle", depths=depths, features=True)
         ref_scores = torch.cat([model.decider(p.features.rows(p.valid)) for p in full.passes[:max_depth - 1]])
@@ -573,7 +573,7 @@ def test_stage2_weight_when_every_decision_continues_is_stop_over_continue_zero(
     """w^(d) = #stop / #continue: with no stop at all the continue term weighs 0 and so does the
     loss (a clamp on the numerator would give 1 / #continue)."""
     model = make(0, max_depth=2)
-    loss, scores, labels = model.stage2_loss(torch.tensor([[3, 7, 1, 4]]), torch.full((1, 4), 2))
+    loss, scores, labels = stage2_loss(model, torch.tensor([[3, 7, 1, 4]]), torch.full((1, 4), 2))
     assert labels.tolist() == [1.0] * 4 and loss.item() == 0.0
 
 
@@ -589,7 +589,7 @@ def test_stage2_weight_when_every_decision_continues_is_stop_over_continue_zero(
 ])
 def test_stage2_loss_refuses_bad_depths_and_weights(depths, pos_weight, words):
     with pytest.raises(ValueError, match=words):
-        make(0).stage2_loss(torch.tensor([[3, 7, 1, 4]]), depths, pos_weight=pos_weight)
+        stage2_loss(make(0), torch.tensor([[3, 7, 1, 4]]), depths, pos_weight=pos_weight)
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -631,7 +631,7 @@ def test_stage2_loss_at_one_pass_says_there_is_nothing_to_learn():
     model = make(0, max_depth=1)
     idx = torch.randint(53, (1, 5))
     with pytest.raises(ValueError, match="max_depth >= 2"):
-        model.stage2_loss(idx, torch.ones_like(idx))
+        stage2_loss(model, idx, torch.ones_like(idx))
 
 
 @examples(40)
@@ -687,8 +687,8 @@ def test_cuda_flex_forward_and_backward_equal_dense():
     flex = twin(model, attn_impl="flex").cuda()
     idx = torch.randint(53, (2, 20), device="cuda")
     depths = torch.randint(1, 4, (2, 19), device="cuda")
-    a = flex.stage1_loss(idx[:, :-1], idx[:, 1:], depths)
-    b = model.stage1_loss(idx[:, :-1], idx[:, 1:], depths)
+    a = stage1_loss(flex, idx[:, :-1], idx[:, 1:], depths)
+    b = stage1_loss(model, idx[:, :-1], idx[:, 1:], depths)
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     a.backward()
     b.backward()

@@ -340,14 +340,14 @@ def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response
         out = real(name, model, loss_fn, data, P, ctx=ctx, seed=seed, on_step=on_step, **kw)
         trained[name] = model
         return out
-    real_stage1 = protocols.ThinkAtHard.stage1_loss
+    real_stage1 = protocols.stage1_loss
 
-    def stage1(self, idx, targets, depths):
+    def stage1(model, idx, targets, depths):
         if training[0] == f"{suite}/TaH stage 1":  # not the token-type router's stage 1
             labelled.append((idx.clone(), targets.clone(), depths.clone()))
-        return real_stage1(self, idx, targets, depths)
+        return real_stage1(model, idx, targets, depths)
     patch_train(monkeypatch, spy)
-    monkeypatch.setattr(protocols.ThinkAtHard, "stage1_loss", stage1)
+    monkeypatch.setattr(protocols, "stage1_loss", stage1)
     P = tt.PRESETS["smoke"]
     task = {"tah": tasks.Lookups(P.symbols, P.queries, P.two_hop), "tah-add": Arith(P.digits),
             "tah-hidden": tasks.Lookups(P.symbols, P.queries, P.two_hop, per_problem=True)}[suite]

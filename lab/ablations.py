@@ -24,7 +24,7 @@ from lab import compute, inside
 from lab.report import Arm, Claim, Effect, result_rows
 from moe import ModelConfig, Transformer
 from protocols import backbone_cfg, lm_loss
-from tah import ThinkAtHard, oracle_depths
+from tah import ThinkAtHard, oracle_depths, stage1_loss
 from trainer import Stage, evaluate, train
 
 
@@ -255,7 +255,7 @@ class TokenRouter:
         return 1 + self.task.sometimes_hard(x).long()
 
     def stage1_loss(self, model, x, y):
-        return model.stage1_loss(x, y, self(x))
+        return stage1_loss(model, x, y, self(x))
 
 
 def tah_hidden(preset, ctx, seed, data):
