@@ -85,26 +85,6 @@ def finite_reals(values, name):
     return np.asarray(values, dtype=float)
 
 
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
-        29: 2.045, 30: 2.042}  # Student's t, 97.5% quantile, by degrees of freedom
-
-
-def interval95(deltas):
-    """The 95% interval of the mean paired difference (Student's t), or None under 2 seeds."""
-    d = np.asarray(deltas, dtype=float)
-    if len(d) < 2 or not np.all(np.isfinite(d)):
-        return None
-    return t_interval(d.mean(), d.std(ddof=1), len(d))
-
-
-def t_interval(mean, std, n):
-    """mean ± the t quantile (n - 1 degrees of freedom) times std / sqrt(n)."""
-    half = T975.get(n - 1, 1.96) * std / np.sqrt(n)
-    return float(mean - half), float(mean + half)
-
-
 # -----------------------------------------------------------------------------
 # The rule: a claim is an arm against a baseline in one metric with the paper's sign, judged on
 # the paired differences over seeds (same seed: same init and batches, so most of the spread cancels)
@@ -151,7 +131,7 @@ def judge(rows, claims):
             raise ValueError(f"claim {c.name!r} finds no {c.metric!r} rows of arm {c.arm.id!r} against "
                              f"{getattr(c.baseline, 'id', c.baseline)!r} in effect {c.effect.id!r}")
         out.append(dict(claim=c.name, metric=c.metric, deltas=d, mean=float(np.mean(d)),
-                        std=float(np.std(d, ddof=1)) if len(d) > 1 else 0.0, interval95=interval95(d),
+                        std=float(np.std(d, ddof=1)) if len(d) > 1 else 0.0,
                         verdict=verdict([x + c.sign * c.margin for x in d], c.sign) if np.all(np.isfinite(d))
                         else "not shown"))  # a seed without a value (a rate over no tokens) shows nothing
     return out

@@ -19,9 +19,29 @@ import numpy as np
 import torch
 
 from hd import attention_path
-from protocols import T975, Arm, Claim, Effect, finite_reals, interval95, result_rows, t_interval  # noqa: F401 (the rows' vocabulary)
+from protocols import Arm, Claim, Effect, finite_reals, result_rows  # noqa: F401 (the rows' vocabulary)
 
 from lab.files import atomic
+
+
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+        29: 2.045, 30: 2.042}  # Student's t, 97.5% quantile, by degrees of freedom
+
+
+def interval95(deltas):
+    """The 95% interval of the mean paired difference (Student's t), or None under 2 seeds."""
+    d = np.asarray(deltas, dtype=float)
+    if len(d) < 2 or not np.all(np.isfinite(d)):
+        return None
+    return t_interval(d.mean(), d.std(ddof=1), len(d))
+
+
+def t_interval(mean, std, n):
+    """mean ± the t quantile (n - 1 degrees of freedom) times std / sqrt(n)."""
+    half = T975.get(n - 1, 1.96) * std / np.sqrt(n)
+    return float(mean - half), float(mean + half)
 
 
 def pooled(runs):
@@ -201,6 +221,8 @@ def write_report(rows, verdicts, out, *, header, rule, meta, inside, first_seed,
     """<out>/results.md and results.json (meta, the rule, summary, verdicts) from the rows and their
     verdicts, with the first seed's analyses (`inside`: path -> title, those that exist); prints
     the tables (brief: one line). Returns the summary, which the figures read."""
+    verdicts = [{**{k: v for k, v in j.items() if k != "verdict"}, "interval95": interval95(j["deltas"]),
+                 "verdict": j["verdict"]} for j in verdicts]  # each judged claim with its 95% interval
     summary = summarize(rows)
     md = table(summary, verdicts, header, rule) + "".join(
         f"\n\n**{title}**, seed {first_seed}\n\n" + path.read_text() for path, title in inside.items()
