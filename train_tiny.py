@@ -122,7 +122,8 @@ def main(argv=None):
                 jobs.submit(train_seed, suite, preset, ctx, seed, task(suite, preset, text))
         jobs.wait()
     if flags.master:  # under torchrun, rank 0; after SIGTERM (a time limit), the report of what finished
-        write_report(flags, ctx, jobs.rows, time.time() - started, stopped=jobs.stopped)
+        with runner.reporting():  # Ctrl-C here too: one line
+            write_report(flags, ctx, jobs.rows, time.time() - started, stopped=jobs.stopped)
 
 
 def task(suite, preset, text):

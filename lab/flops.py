@@ -40,7 +40,9 @@ ROUTED = ("ffn.w_gate_up", "ffn.w_down")  # the stacked routed experts: top_k of
 def per_token(model, T, passes=1):
     """One training step's FLOPs per token of `model` on sequences of T tokens, as it runs (the
     convention above). passes: TaH's passes per token (1 Standard, 2 AlwaysThink; between, the
-    share of tokens a second pass runs, its attention pairs as if those tokens were spread evenly)."""
+    share of tokens a second pass runs, its attention pairs as if those tokens were spread evenly).
+    What it cannot count (not a model of this project, T not an int in [1, block_size], passes on
+    a model without them or outside TaH's range) is refused in one line."""
     return sum(parts(model, T, passes).values())
 
 
@@ -48,12 +50,20 @@ def parts(model, T, passes=1):
     """per_token in two parts: "weights" (every matmul with a weight, the head included) and
     "attention" (the mask's pairs), training FLOPs per token each."""
     inner = getattr(model, "model", model)  # lab/compute's Looped and ParScale wrap an n = 1 model
+    body = inner if isinstance(inner, Transformer) else getattr(inner, "backbone", None)
+    if not isinstance(model, torch.nn.Module) or not isinstance(body, Transformer):
+        raise ValueError(f"flops counts a model of moe.py, hd.py or tah.py (or lab/compute's Looped and ParScale "
+                         f"around one), got {type(model).__name__}"[:200])
+    cfg = body.cfg
+    if type(T) is not int or not 1 <= T <= cfg.block_size:
+        raise ValueError(f"flops: T must be an int in [1, block_size {cfg.block_size}], got {T!r}"[:200])
     loops = getattr(model, "loops", 1) * getattr(model, "copies", 1)  # passes, or copies, of the blocks a token
     prefix = getattr(model, "prefix", 0)  # ParScale's prefix rows: keys every query sees
-    body = inner if isinstance(inner, Transformer) else inner.backbone
-    cfg = body.cfg
     if hasattr(cfg, "max_depth"):
         return {k: 3 * v for k, v in tah_forward(body, cfg, T, passes).items()}
+    if not isinstance(passes, int) or isinstance(passes, bool) or passes != 1:
+        raise ValueError(f"flops: passes is TaH's (passes per token); a {type(model).__name__} runs one, got "
+                         f"{passes!r}"[:200])
     n = getattr(cfg, "n_streams", 1)
     skip = inner.mirror_skip_from() if hasattr(inner, "mirror_skip_from") else None
     matmuls, attention = 0.0, 0.0
@@ -85,23 +95,31 @@ def weights(block, cfg, q_rows, kv_rows, lora_rows=0):
 
 
 def pairs(cfg, i, n, T, final_only):
-    """(query, key) pairs layer i's mask allows over T tokens of n streams, by its letter."""
-    rows = range(n - 1, n * T, n) if final_only else range(n * T)
+    """(query, key) pairs layer i's mask allows over T tokens of n streams, by its letter: a sum
+    over the query rows r (all n T, or the final stream's r = n t + n - 1), in closed form."""
     kind = cfg.layout[i] if hasattr(cfg, "layout") else "F"
-    if kind == "F":
-        return sum(r + 1 for r in rows)
-    if kind == "L":
-        return sum(min(r + 1, cfg.window) for r in rows)
-    return sum(r // n + 1 for r in rows)  # I: the stream's own rows up to r; shared-KV: its row + stream 0's before
+    N, w = n * T, getattr(cfg, "window", 0)
+    if kind == "F":  # sum of r + 1: every row up to r
+        return n * T * (T + 1) // 2 if final_only else N * (N + 1) // 2
+    if kind == "L":  # sum of min(r + 1, window)
+        if final_only:  # r + 1 = n (t + 1): the first m = min(T, w // n) rows inside the window
+            m = min(T, w // n)
+            return n * m * (m + 1) // 2 + (T - m) * w
+        return N * (N + 1) // 2 if N <= w else w * (w + 1) // 2 + (N - w) * w
+    if kind == "I":  # sum of r // n + 1: the stream's own rows up to r (shared-KV: its row + stream 0's before)
+        return T * (T + 1) // 2 * (1 if final_only else n)
+    raise ValueError(f"flops: layer {i}'s mask letter {kind!r} is none of F, L, I")
 
 
 def tah_forward(body, cfg, T, passes):
     """TaH's forward FLOPs per token (weights, attention): pass 1 on every token, and `passes - 1`
     more per token (a share of the tokens in pass 2; past 2 passes, every token the same number),
     each with the LoRA adapter, the next-pass input and the head."""
+    if (not isinstance(passes, (int, float)) or isinstance(passes, bool) or not 1 <= passes <= cfg.max_depth
+            or passes > 2 and passes != int(passes)):  # nan fails the range
+        raise ValueError(f"flops: passes must be in [1, 2], or a whole number up to max_depth {cfg.max_depth}, got "
+                         f"{passes!r}"[:200])
     deeper = passes - 1
-    if not 0 <= deeper <= cfg.max_depth - 1 or deeper > 1 and deeper != int(deeper):
-        raise ValueError(f"passes must be in [1, 2], or a whole number up to {cfg.max_depth}, got {passes!r}")
     rows = 1 + deeper
     matmuls = sum(weights(block, cfg, rows, rows, lora_rows=deeper) for block in body.blocks)
     matmuls += 2 * body.lm_head.weight.numel() * rows + 2 * body.wte.weight.numel() * deeper

@@ -16,8 +16,9 @@ import datetime
 import hashlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
-import queue
+import pickle
 import re
 import shutil
 import signal
@@ -307,6 +308,17 @@ def open_run(flags):
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def reporting():
+    """The report and figures after the run (its guard has closed): Ctrl-C there is the same one
+    line and 130, a file error one line; the rows are saved, so the same command writes it again."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    except (KeyboardInterrupt, OSError) as e:
+        raise one_line(e) from None
+
+
 class Terminated(Exception):
     """SIGTERM (a time limit, `timeout`): the run stops, and its report holds what finished."""
 
@@ -349,7 +361,6 @@ class Jobs:
             log(f"{len(self.todo)} (suite, seed)s in {flags.jobs} processes at a time, {flags.threads} thread(s) each"
                 + ("; all at once, so the run's time left comes with the first to finish (till then, each step line "
                    "gives its stage's)" if flags.jobs >= len(self.todo) else ""))
-            self.results = multiprocessing.get_context("spawn").Queue()
 
     def submit(self, work, suite, preset, ctx, seed, data):
         """Runs work(suite, preset, ctx, seed, data) -> one (suite, seed)'s rows (a module-level
@@ -361,11 +372,15 @@ class Jobs:
             return self.finished(suite, seed, work(suite, preset, ctx, seed, data))
         while len(self.running) >= self.flags.jobs:
             self.collect()
-        job = (work, suite, preset, ctx, seed, data, self.flags.threads, self.workers)
-        process = multiprocessing.get_context("spawn").Process(target=in_process, args=(self.results, job), daemon=True)
+        # The job goes by a file, not down the start's pipe: a job larger than a pipe holds would keep the start
+        # waiting on a process that may never read it (one killed at its start: the run would hang for good).
+        job, rows = (self.ctx.run_dir / f"{name}-{suite}-{seed}.tmp" for name in ("job", "rows"))
+        job.write_bytes(pickle.dumps((work, suite, preset, ctx, seed, data, self.flags.threads, self.workers)))
+        process = multiprocessing.get_context("spawn").Process(target=in_process, args=(str(job), str(rows)),
+                                                               daemon=True)
         self.running[suite, seed] = (time.time(), process)
-        with signals_deferred():  # Ctrl-C or SIGTERM stops the parent (never lost), which stops the processes
-            process.start()
+        with signals_deferred():  # a bounded start (a fork and a few hundred bytes): Ctrl-C or SIGTERM then stops
+            process.start()       # the parent (never lost), which stops the processes
 
     def wait(self):
         """Every row, once the last --jobs process has finished."""
@@ -374,20 +389,23 @@ class Jobs:
         return self.rows
 
     def collect(self):
-        """The next (suite, seed) a --jobs process finished (within a second); an error, or a death, stops all."""
-        try:
-            suite, seed, rows = self.results.get(timeout=1.0)
-        except queue.Empty:  # a process that ended without a result died (killed, out of memory, a bug)
-            for (suite, seed), (_, p) in self.running.items():
-                if p.exitcode not in (None, 0):
-                    raise SystemExit(f"error: the process training {suite} seed {seed} died (exit code "
-                                     f"{p.exitcode}: killed, out of memory, or the error printed above); the "
-                                     f"finished (suite, seed)s are saved: run the same command to go on")
-            return
-        self.running[suite, seed][1].join()
-        if isinstance(rows, str):  # the process's SystemExit: its one line, as in one process
-            raise SystemExit(rows)
-        self.finished(suite, seed, rows)
+        """The next (suite, seed) a --jobs process finished, as it ends (within a second); an error,
+        or a process that ended without its rows (killed, out of memory, a bug), stops all."""
+        ended = multiprocessing.connection.wait([p.sentinel for _, p in self.running.values()], timeout=1.0)
+        for (suite, seed), (_, p) in list(self.running.items()):
+            if p.sentinel not in ended:
+                continue
+            p.join()
+            job, out = (self.ctx.run_dir / f"{name}-{suite}-{seed}.tmp" for name in ("job", "rows"))
+            job.unlink(missing_ok=True)
+            if p.exitcode != 0 or not out.exists():
+                raise SystemExit(f"error: the process training {suite} seed {seed} {death(p.exitcode)}; the "
+                                 f"finished (suite, seed)s are saved: run the same command to go on")
+            rows = pickle.loads(out.read_bytes())
+            out.unlink()
+            if isinstance(rows, str):  # the process's SystemExit: its one line, as in one process
+                raise SystemExit(rows)
+            self.finished(suite, seed, rows)
 
     def finished(self, suite, seed, rows):
         self.took.setdefault(suite, []).append(time.time() - self.running.pop((suite, seed))[0])
@@ -404,10 +422,28 @@ class Jobs:
             f"{(time.time() - self.t0) / 60:.1f} min | run ~{left / 60:.1f} min left")
 
     def stop(self):
-        """An error, or Ctrl-C: the processes still training stop now."""
-        for _, process in self.running.values():
+        """An error, or Ctrl-C: the processes still training stop now, their job files with them."""
+        for (suite, seed), (_, process) in self.running.items():
             if process is not None and process.is_alive():
                 process.terminate()
+        for (suite, seed), (_, process) in self.running.items():
+            if process is not None:
+                process.join(timeout=10)
+            for name in ("job", "rows"):
+                (self.ctx.run_dir / f"{name}-{suite}-{seed}.tmp").unlink(missing_ok=True)
+
+
+def death(code):
+    """How a --jobs process that left no rows ended, in words: by a signal (named), or an exit code."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        how = {"SIGKILL": "kill -9, the out-of-memory killer or a CPU limit", "SIGTERM": "a time limit or kill",
+               "SIGSEGV": "a crash in native code"}.get(name, "a signal")
+        return f"died, killed by {name} ({how})"
+    return f"ended with exit code {code} without its rows (the error printed above)"
 
 
 def time_left(todo, took, running, jobs, now):
@@ -423,14 +459,15 @@ def time_left(todo, took, running, jobs, now):
     return free[-1]
 
 
-def in_process(results, job):
-    """A --jobs process: trains one (suite, seed) and puts (suite, seed, rows or its SystemExit's
-    line) on the parent's queue; Ctrl-C is the parent's to answer; it ends if the parent goes
-    (lab/startup.py: watched since the process's first import)."""
+def in_process(job, out):
+    """A --jobs process: trains the (suite, seed) of the job file and writes its rows (or its
+    SystemExit's line) to `out`, whole or not at all, for the parent, which sees the process end;
+    Ctrl-C is the parent's to answer; it ends if the parent goes (lab/startup.py: watched since the
+    process's first import)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     startup.end_with_parent()
-    work, suite, preset, ctx, seed, data, threads, compile_threads = job
+    work, suite, preset, ctx, seed, data, threads, compile_threads = pickle.loads(Path(job).read_bytes())
     set_up_torch(threads)
     import torch._inductor.config as inductor
     try:  # inductor's compile workers: the process's share of the cores, not a pool of all of them
@@ -438,7 +475,9 @@ def in_process(results, job):
             rows = work(suite, preset, ctx, seed, data)
     except SystemExit as e:
         rows = str(e.code)
-    results.put((suite, seed, rows))
+    part = Path(out + ".part.tmp")
+    part.write_bytes(pickle.dumps(rows))
+    os.replace(part, out)
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ if __name__ == "__main__":  # no script: one line saying what to run (first: by 
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 from hd import HDConfig, HiddenDecoding, expand_streams, layer_mask
 from lab import compute, flops
@@ -263,6 +264,44 @@ def test_the_flops_of_attention_are_the_pairs_each_layers_mask_allows(name):
     want = 3 * 4 * cfg.n_head * cfg.head_dim * allowed / T
     got = flops.parts(model, T, getattr(cfg, "max_depth", 1) if kw.get("mode") == "always" else 1)["attention"]
     assert got == pytest.approx(want, rel=1e-12)
+
+
+@given(st.sampled_from("FLI"), st.integers(1, 6), st.integers(1, 40), st.integers(1, 50), st.booleans())
+def test_the_pairs_closed_form_is_the_sum_over_the_query_rows(letter, n, T, window, final_only):
+    """flops.pairs counts in closed form (its cost does not grow with T); here the sum it replaces,
+    row by row: F sees every row up to its own, L its window, I its own stream's."""
+    cfg = HDConfig(vocab_size=8, block_size=64, n_layer=1, n_embd=8, n_head=1, n_kv_head=1, head_dim=8, n_experts=0,
+                   ffn_hidden=8, layout=letter, window=window, kv_mirror=False)
+    rows = range(n - 1, n * T, n) if final_only else range(n * T)
+    want = sum({"F": r + 1, "L": min(r + 1, window), "I": r // n + 1}[letter] for r in rows)
+    assert flops.pairs(cfg, 0, n, T, final_only) == want
+
+
+def test_flops_refuse_what_they_cannot_count_in_one_line_at_once():
+    """Not a model (None, a state_dict), T not an int in [1, block_size] (0, -1, 2.5, True, 10**30,
+    past the block), passes on a model without them or outside TaH's range, an unknown mask letter:
+    one ValueError each, without counting (10**30 once summed a range of that length)."""
+    models = flop_models()
+    hd, tah = models["HD n=4"][0], models["TaH always"][0]
+    for bad in (None, hd.state_dict(), torch.nn.Linear(2, 2)):
+        with pytest.raises(ValueError, match="flops counts a model of moe.py, hd.py or tah.py"):
+            flops.per_token(bad, 8)
+    for model in (hd, tah, models["looped x3"][0], models["ParScale P=2"][0]):
+        for T in (0, -1, 2.5, True, 10**30, 25, "8"):
+            with pytest.raises(ValueError, match=r"T must be an int in \[1, block_size 24\]"):
+                flops.per_token(model, T)
+    for passes in (0, 2, 1.0, True, None):
+        with pytest.raises(ValueError, match="passes is TaH's"):
+            flops.per_token(hd, 8, passes)
+    for passes in (0, 0.5, 2.5, 3, float("nan"), True, "2"):
+        with pytest.raises(ValueError, match=r"passes must be in \[1, 2\], or a whole number up to max_depth 2"):
+            flops.per_token(tah, 8, passes)
+    assert flops.per_token(tah, 8, 1.5) > flops.per_token(tah, 8, 1)
+    odd = HDConfig(vocab_size=8, block_size=8, n_layer=1, n_embd=8, n_head=1, n_kv_head=1, head_dim=8, n_experts=0,
+                   ffn_hidden=8, layout="F", kv_mirror=False)
+    object.__setattr__(odd, "layout", "X")  # past the config's own check: the count still refuses it
+    with pytest.raises(ValueError, match="mask letter 'X' is none of F, L, I"):
+        flops.pairs(odd, 0, 2, 4, False)
 
 
 def test_an_arms_training_flops_are_its_flops_per_token_times_the_tokens_its_stage_trains_on():

@@ -117,21 +117,26 @@ def stops(suite, P, run, seed, data):  # a (suite, seed) stopped by an error, as
     raise SystemExit(f"error: [moe/arm s{seed}] loss is nan at step 2")
 
 
-def test_a_worker_stopped_by_an_error_hands_its_one_line_to_the_parent():
+def test_a_worker_stopped_by_an_error_hands_its_one_line_to_the_parent(tmp_path):
     """A SystemExit in a --jobs process (a NaN loss, a damaged checkpoint) comes back as its
     line, which the parent raises (next test); any other error ends the process, which the
-    parent reports as died."""
-    import queue
-    results, threads, handler = queue.Queue(), torch.get_num_threads(), signal.getsignal(signal.SIGINT)
+    parent reports as died. The job comes in a file and the rows go out in one, written whole."""
+    import pickle
+    threads, handler = torch.get_num_threads(), signal.getsignal(signal.SIGINT)
+    got = []
     try:
-        runner.in_process(results, (stops, "moe", tt.PRESETS["smoke"], trainer.Context(Path(".")), 3, None, 1, 1))
-        runner.in_process(results, (compile_workers, "moe", tt.PRESETS["smoke"], trainer.Context(Path(".")), 4,
-                                    None, 1, 3))
+        for work, seed, workers in ((stops, 3, 1), (compile_workers, 4, 3)):
+            job, out = tmp_path / f"job{seed}", tmp_path / f"rows{seed}"
+            job.write_bytes(pickle.dumps((work, "moe", tt.PRESETS["smoke"], trainer.Context(Path(".")), seed, None,
+                                          1, workers)))
+            runner.in_process(str(job), str(out))
+            got.append(pickle.loads(out.read_bytes()))
     finally:
         torch.set_num_threads(threads)  # in_process sets the process up as a worker's
         signal.signal(signal.SIGINT, handler)
-    assert results.get_nowait() == ("moe", 3, "error: [moe/arm s3] loss is nan at step 2")
-    assert results.get_nowait() == ("moe", 4, 3)  # inductor's compile workers: the process's share of the cores
+    assert got[0] == "error: [moe/arm s3] loss is nan at step 2"
+    assert got[1] == 3  # inductor's compile workers: the process's share of the cores
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["job3", "job4", "rows3", "rows4"]  # no part left
 
 
 @pytest.mark.parametrize("cores, jobs, todo, workers", [(16, 16, 10, 1), (16, 4, 10, 4), (16, 16, 2, 8), (2, 2, 1, 2)])
@@ -166,7 +171,7 @@ def train_all(argv, work, data=None):
     return jobs
 
 
-@pytest.mark.parametrize("how, words", [("dies", "seed 1 died (exit code 3"), ("stops", "loss is nan")])
+@pytest.mark.parametrize("how, words", [("dies", "seed 1 ended with exit code 3 without its rows"), ("stops", "loss is nan")])
 def test_an_error_in_one_jobs_process_stops_them_all_with_one_line(how, words, tmp_path):
     t0 = time.time()
     with pytest.raises(SystemExit, match=re.escape(words)):
@@ -209,6 +214,74 @@ def all_ended(pids):
 def sessions_script(argv, data="None"):
     return (f"import sys; sys.path.insert(0, {str(HERE)!r}); from lab import test_runner as t\n"
             f"t.train_all({argv!r}, t.sleeps, {data})\n")
+
+
+def quick(suite, P, run, seed, data):  # a (suite, seed) that finishes at once with one row
+    return [dict(effect="e", effect_id="e", paper="p", arm="a", arm_id="a", metric="m", seed=seed, value=len(data))]
+
+
+def workers_of(parent):
+    """The pids of `parent`'s --jobs processes (multiprocessing's spawned children, not its resource tracker)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(") ", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def importing_torch(pid):
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("moment", ["start", "imports"])
+def test_a_jobs_process_killed_as_it_starts_ends_the_run_in_one_line_and_it_resumes(moment, tmp_path):
+    """kill -9 of a --jobs process the moment it appears (before it has read its job, which is
+    larger than a pipe holds), or while it imports torch (as the OOM killer would): the run ends
+    by itself within seconds in one line naming the process and its signal, the other process
+    stopped, nothing half-written; the same command then finishes. (Before: the parent sat in the
+    start's pipe write for good, deaf to Ctrl-C and SIGTERM.)"""
+    argv = ["--smoke", "--suite", "moe", "--seeds", "2", "--jobs", "2", "--out", str(tmp_path)]
+    script = sessions_script(argv, "'x' * 300_000").replace("t.sleeps", "t.quick")
+    run = subprocess.Popen([sys.executable, "-c", script], cwd=HERE, start_new_session=True, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    killed = None
+    for _ in range(60_000):  # the first worker, at the moment named (a reported state, not a delay)
+        found = workers_of(run.pid)
+        if found and (moment == "start" or importing_torch(found[0])):
+            os.kill(found[0], signal.SIGKILL)
+            killed = found[0]
+            break
+        if run.poll() is not None:
+            break
+        time.sleep(0.002)
+    t0 = time.time()
+    out, err = run.communicate(timeout=60)
+    assert killed is not None, err
+    assert time.time() - t0 < 15, err  # noticed within seconds, not after the other's job
+    assert run.returncode == 1 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert re.search(r"the process training moe seed \d died, killed by SIGKILL", last) and "go on" in last, err
+    assert not list(tmp_path.rglob("*.tmp"))
+    for rows_file in tmp_path.glob("run-*/rows.json"):  # whole: the seed that finished, if one did
+        assert len(json.loads(rows_file.read_text())["rows"]) <= 1
+    for _ in range(100):
+        if not session_processes(run.pid):
+            break
+        time.sleep(0.1)
+    assert session_processes(run.pid) == []
+    again = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    rows = json.loads(next(tmp_path.glob("run-*/rows.json")).read_text())["rows"]
+    assert [(r["seed"], r["value"]) for r in rows] == [(0, 300_000), (1, 300_000)]
 
 
 def test_a_run_with_every_suite_seed_at_once_says_when_its_time_left_comes(tmp_path, capsys):
@@ -291,6 +364,40 @@ def test_sigterm_stops_the_run_and_writes_the_report_of_what_finished_marked_par
     rows = json.loads(next(out.glob("run-*/rows.json")).read_text())["rows"]
     assert 1 <= len({(r["suite"], r["seed"]) for r in rows}) < 6 and "Traceback" not in text
     assert sum(s["n"] for s in doc["summary"]) >= 1
+
+
+FIGURES_INTERRUPT = """
+import signal, sys
+sys.path.insert(0, {here!r})
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal
+import train_tiny
+from lab import figures
+plot = figures.plot
+def interrupted(*args, **kw):  # Ctrl-C the moment the first figure is drawn
+    signal.raise_signal(signal.SIGINT)
+    return plot(*args, **kw)
+figures.plot = interrupted
+train_tiny.main({argv!r})
+print("ran on past the figures")
+"""
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_ctrl_c_while_the_figures_are_drawn_is_one_line_and_130_and_the_run_resumes(jobs, tmp_path):
+    """Ctrl-C after the run, while its report's figures are drawn: the one line and 130 (before:
+    a traceback, exit 1); the same command then writes the same report."""
+    argv = ["--smoke", "--suite", "moe", "--seeds", "2", "--jobs", jobs, "--out", str(tmp_path)]
+    run = subprocess.run([sys.executable, "-c", FIGURES_INTERRUPT.format(here=str(HERE), argv=argv)], cwd=HERE,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 130, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines() == ["interrupted: what finished is saved (rows after each (suite, seed), "
+                                               "checkpoints every --ckpt_every steps); run the same command to go on"]
+    assert "ran on past" not in run.stdout
+    before = (tmp_path / "results.md").read_text().split("\n", 1)[1]
+    again = subprocess.run([sys.executable, "train_tiny.py", *argv], cwd=HERE, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0 and "already done, skipped" in again.stdout, again.stderr[-2000:]
+    assert (tmp_path / "results.md").read_text().split("\n", 1)[1] == before
 
 
 STARTUP_INTERRUPT = """
