@@ -177,13 +177,15 @@ def code_lines(path):
                if line.strip() and not line.strip().startswith("#") and i not in docs)
 
 
-def test_the_readers_path_is_at_most_990_lines_and_the_operator_machinery_512():
+def test_the_readers_path_is_at_most_990_lines_and_the_operator_machinery_545():
     """The non-blank lines a learner follows the default run through, the methods aside (their
     docstrings and comments are part of the reading); and the code lines of the machinery kept
     apart (flags, processes, the files a run writes, the preset checks), so that it cannot grow unseen.
     (The machinery's cap rose from 500 to 510 with trust round 9's duties: a SIGTERM's partial report,
     compile workers shared by the processes that start, --data read before the folder is made; to 512
-    with a SIGTERM held while a --jobs process starts, as Ctrl-C was. The path's rose from 900 to
+    with a SIGTERM held while a --jobs process starts, as Ctrl-C was; to 545 with trust round 10's: a job
+    handed over by file and a process watched by its sentinel, its death named by signal, the report's
+    Ctrl-C as one line, an empty or invalid OMP_NUM_THREADS read as unset. The path's rose from 900 to
     990 when lab/ came to hang off it: the rows' vocabulary moved into protocols.py beside the rule
     (the t interval, which only the report prints, stayed in lab/), BPE loading and id compaction
     into tasks.py: ~90 lines a learner read before in lab/report.py and lab/tokens.py, which the
@@ -191,7 +193,7 @@ def test_the_readers_path_is_at_most_990_lines_and_the_operator_machinery_512():
     path = {f: lines(f) for f in READERS_PATH}
     assert sum(path.values()) <= 990, path
     operator = {f: code_lines(f) for f in OPERATOR}
-    assert sum(operator.values()) <= 512, operator
+    assert sum(operator.values()) <= 545, operator
 
 
 def test_code_lines_count_neither_docstrings_nor_comments(tmp_path):

@@ -374,7 +374,7 @@ class Jobs:
             self.collect()
         # The job goes by a file, not down the start's pipe: a job larger than a pipe holds would keep the start
         # waiting on a process that may never read it (one killed at its start: the run would hang for good).
-        job, rows = (self.ctx.run_dir / f"{name}-{suite}-{seed}.tmp" for name in ("job", "rows"))
+        job, rows = self.files(suite, seed)
         job.write_bytes(pickle.dumps((work, suite, preset, ctx, seed, data, self.flags.threads, self.workers)))
         process = multiprocessing.get_context("spawn").Process(target=in_process, args=(str(job), str(rows)),
                                                                daemon=True)
@@ -396,7 +396,7 @@ class Jobs:
             if p.sentinel not in ended:
                 continue
             p.join()
-            job, out = (self.ctx.run_dir / f"{name}-{suite}-{seed}.tmp" for name in ("job", "rows"))
+            job, out = self.files(suite, seed)
             job.unlink(missing_ok=True)
             if p.exitcode != 0 or not out.exists():
                 raise SystemExit(f"error: the process training {suite} seed {seed} {death(p.exitcode)}; the "
@@ -423,26 +423,24 @@ class Jobs:
 
     def stop(self):
         """An error, or Ctrl-C: the processes still training stop now, their job files with them."""
-        for (suite, seed), (_, process) in self.running.items():
+        for _, process in self.running.values():
             if process is not None and process.is_alive():
                 process.terminate()
         for (suite, seed), (_, process) in self.running.items():
-            if process is not None:
-                process.join(timeout=10)
-            for name in ("job", "rows"):
-                (self.ctx.run_dir / f"{name}-{suite}-{seed}.tmp").unlink(missing_ok=True)
+            process is None or process.join(timeout=10)
+            for f in self.files(suite, seed):
+                f.unlink(missing_ok=True)
+
+    def files(self, suite, seed):
+        """A --jobs process's job file (written before it starts) and rows file (written whole as it ends)."""
+        return [self.ctx.run_dir / f"{name}-{suite}-{seed}.tmp" for name in ("job", "rows")]
 
 
 def death(code):
-    """How a --jobs process that left no rows ended, in words: by a signal (named), or an exit code."""
+    """How a --jobs process that left no rows ended: by a signal, named, or with an exit code."""
     if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        how = {"SIGKILL": "kill -9, the out-of-memory killer or a CPU limit", "SIGTERM": "a time limit or kill",
-               "SIGSEGV": "a crash in native code"}.get(name, "a signal")
-        return f"died, killed by {name} ({how})"
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+        return f"died, killed by {name}" + (" (kill -9, out of memory or a CPU limit)" if code == -9 else "")
     return f"ended with exit code {code} without its rows (the error printed above)"
 
 
