@@ -430,7 +430,7 @@ def test_the_suites_wiring_every_arm_from_the_backbone_on_the_control_batches_ea
     import train_tiny as tt
     from dataclasses import replace as with_fields
     preset = with_fields(tt.PRESETS["smoke"], hd_base_iters=2, hd_cont_iters=8)
-    base = n1_model()
+    base = n1_model(block_size=preset.block)  # the preset's sequences (the FLOPs count refuses T past the block)
     monkeypatch.setattr(compute.protocols, "hd_backbone", lambda *a: base)
     started = {}
 
