@@ -128,10 +128,11 @@ SMOKE = ["--smoke", "--ckpt_every", "1", "--jobs", "1"]  # one process: a patche
 
 
 def patch_train(monkeypatch, fn):
-    """Every suite trains through `fn`: the protocols' and the ablations' own name for trainer.train."""
-    import protocols
+    """Every suite trains through `fn`: the experiments' and the ablations' own name for trainer.train."""
+    import hd_experiment
+    import tah_experiment
     from lab import ablations
-    for module in (protocols, ablations):
+    for module in (hd_experiment, tah_experiment, ablations):
         monkeypatch.setattr(module, "train", fn)
 
 
@@ -159,10 +160,11 @@ def suite_run(name, preset, ctx, seed, data, ablations):
 
 
 def suite_ctx(tmp_path):
-    """A run's context as lab/runner.py makes it: checkpoints kept, FLOPs counted."""
+    """A run's context as lab/runner.py makes it: checkpoints and analyses kept, FLOPs counted."""
     import trainer
-    from lab import files, flops
-    return trainer.Context(tmp_path, log_every=100, ckpt_every=100, checkpoints=files.Checkpoints(), flops=flops.per_token)
+    from lab import figures, files, flops
+    return trainer.Context(tmp_path, log_every=100, ckpt_every=100, checkpoints=files.Checkpoints(), keep=figures.Kept(),
+                           flops=flops.per_token)
 
 
 if __name__ == "__main__":

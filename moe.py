@@ -146,7 +146,7 @@ class Attention(nn.Module):
         self.gate_proj = nn.Linear(cfg.n_embd, cfg.n_head, bias=False)  # WeLM: one gate per head
         self.o_proj = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
         self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps)  # KNorm: keys only, shared over heads
-        self.record = None  # a function of (q, k, mask), called before attend (inside.recording_attention)
+        self.record = None  # a function of (q, k, mask), called before attend (experiment.recording_attention)
 
     def project_kv(self, u, pos):
         """K, V (B, Hkv, T, hd) of normalized inputs u (B, T, C): projection -> KNorm -> RoPE."""

@@ -32,7 +32,8 @@ from hd import HiddenDecoding
 from lab.files import load_checkpoint
 from lab.presets import check_preset
 from lab.tokens import TokenCaches
-from protocols import hd_config, tah_config
+from hd_experiment import hd_config
+from tah_experiment import tah_config
 from tah import ThinkAtHard
 from train_tiny import Preset
 

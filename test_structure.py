@@ -16,7 +16,10 @@ HERE = Path(__file__).resolve().parent
 SOURCES = sorted(p for p in [*HERE.glob("*.py"), *HERE.glob("lab/*.py")]
                  if not p.name.startswith("test_") and p.name not in ("conftest.py", "__init__.py"))
 METHODS = ("moe.py", "hd.py", "tah.py", "generate.py", "checks.py")  # the methods, checks counted with them
-READERS_PATH = ("train_tiny.py", "protocols.py", "trainer.py", "tasks.py")  # the default run's flow, the methods aside
+EXPERIMENT = ("train_tiny.py", "experiment.py", "trainer.py", "tasks.py")  # what both papers' learners read
+HD_PATH = EXPERIMENT + ("hd_experiment.py",)  # a learner of one paper: the run, its experiment, the shared files
+TAH_PATH = EXPERIMENT + ("tah_experiment.py",)
+READERS_PATH = EXPERIMENT + ("hd_experiment.py", "tah_experiment.py")  # the default run's flow, the methods aside
 OPERATOR = ("lab/runner.py", "lab/files.py", "lab/presets.py", "lab/startup.py")  # flags, processes, files, preset checks
 
 
@@ -55,7 +58,7 @@ def local_imports(path):
 
 
 def test_the_project_has_modules_to_check():
-    assert {"train_tiny.py", "lab/runner.py", "protocols.py", "lab/ablations.py", "moe.py"} <= set(map(name_of, SOURCES))
+    assert {"train_tiny.py", "lab/runner.py", "experiment.py", "lab/ablations.py", "moe.py"} <= set(map(name_of, SOURCES))
 
 
 def find_cycle(graph):
@@ -157,10 +160,12 @@ def test_the_process_machinery_sits_behind_train_tiny_alone():
 
 
 def test_the_top_level_is_what_a_learner_reads_and_runs():
-    """At most 20 Python files at the top level: the methods, the default run's flow, sample.py,
-    bench.py, the tests that specify them and conftest.py; the rest is in lab/."""
+    """At most 21 Python files at the top level: the methods, the default run's flow, sample.py,
+    bench.py, the tests that specify them and conftest.py; the rest is in lab/. (20 until each
+    paper's experiment came to read in a file of its own beside the shared one: three files where
+    protocols.py was one.)"""
     top = sorted(p.name for p in HERE.glob("*.py"))
-    assert len(top) <= 20, top
+    assert len(top) <= 21, top
     assert set(top) - {"sample.py", "bench.py", "conftest.py"} - set(METHODS) - set(READERS_PATH) == {
         "test_moe.py", "test_hd.py", "test_tah.py", "test_generate.py", "test_train_tiny.py", "test_bench.py",
         "test_structure.py"}
@@ -177,23 +182,59 @@ def code_lines(path):
                if line.strip() and not line.strip().startswith("#") and i not in docs)
 
 
-def test_the_readers_path_is_at_most_990_lines_and_the_operator_machinery_545():
-    """The non-blank lines a learner follows the default run through, the methods aside (their
-    docstrings and comments are part of the reading); and the code lines of the machinery kept
-    apart (flags, processes, the files a run writes, the preset checks), so that it cannot grow unseen.
-    (The machinery's cap rose from 500 to 510 with trust round 9's duties: a SIGTERM's partial report,
-    compile workers shared by the processes that start, --data read before the folder is made; to 512
-    with a SIGTERM held while a --jobs process starts, as Ctrl-C was; to 545 with trust round 10's: a job
-    handed over by file and a process watched by its sentinel, its death named by signal, the report's
-    Ctrl-C as one line, an empty or invalid OMP_NUM_THREADS read as unset. The path's rose from 900 to
-    990 when lab/ came to hang off it: the rows' vocabulary moved into protocols.py beside the rule
-    (the t interval, which only the report prints, stayed in lab/), BPE loading and id compaction
-    into tasks.py: ~90 lines a learner read before in lab/report.py and lab/tokens.py, which the
-    path no longer imports.)"""
-    path = {f: lines(f) for f in READERS_PATH}
-    assert sum(path.values()) <= 990, path
+def test_the_operator_machinery_is_at_most_547_code_lines():
+    """The code lines of the machinery kept apart (flags, processes, the files a run writes, the
+    preset checks), so that it cannot grow unseen. (The cap rose from 500 to 510 with trust round
+    9's duties: a SIGTERM's partial report, compile workers shared by the processes that start,
+    --data read before the folder is made; to 512 with a SIGTERM held while a --jobs process
+    starts, as Ctrl-C was; to 545 with trust round 10's: a job handed over by file and a process
+    watched by its sentinel, its death named by signal, the report's Ctrl-C as one line, an empty
+    or invalid OMP_NUM_THREADS read as unset; to 547 when the experiments came to be read per
+    paper: their imports, and the analyses kept handed to the run's context.)"""
     operator = {f: code_lines(f) for f in OPERATOR}
-    assert sum(operator.values()) <= 545, operator
+    assert sum(operator.values()) <= 547, operator
+
+
+def made_in(suite, tmp_path):
+    """The project files a plain run's rows and verdicts of `suite` are made in, traced
+    (sys.setprofile) from train_seed and the judging of its claims, with the run's lab services
+    (checkpoints, the analyses kept, the FLOPs count) off, as they make no row; and the rows."""
+    import experiment
+    import tasks
+    import train_tiny as tt
+    from conftest import flags
+    from trainer import Context
+    argv = ["--preset", "smoke", "--suite", suite, "--hd_base_iters=1", "--hd_cont_iters=1", "--tah_base_iters=1",
+            "--tah_sft_iters=1", "--decider_iters=1"]
+    f = flags(argv)
+    text = tmp_path / "text.txt"
+    text.write_text("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace from day to day. " * 40)
+    data = tt.task(suite, f.preset, tasks.load_text(str(text), (), f.preset.block) if suite == "hd" else None)
+    ran = set()
+
+    def called(frame, event, arg):
+        if event == "call":
+            ran.add(frame.f_code.co_filename)
+    sys.setprofile(called)
+    try:
+        rows = tt.train_seed(suite, f.preset, Context(tmp_path), 0, data)
+        experiment.judge([{**r, "suite": suite} for r in rows], tt.claims(f))
+    finally:
+        sys.setprofile(None)
+    return {name_of(Path(p)) for p in ran if Path(p).is_relative_to(HERE) and not Path(p).name.startswith(("test_",
+                                                                                                          "conftest"))}, rows
+
+
+@pytest.mark.parametrize("suite, path, most", [("hd", HD_PATH, 1100), ("tah", TAH_PATH, 1200)])
+def test_each_papers_rows_and_verdicts_are_made_in_its_readers_files_and_none_in_lab(suite, path, most, tmp_path):
+    """A learner of one paper reads train_tiny.py, the shared experiment.py, the paper's own
+    experiment file, trainer.py and tasks.py (the methods aside, their docstrings and comments part
+    of the reading): the files its plain run's rows and verdicts are made in, traced, none of lab/
+    and none of the other paper's; at most 1,100 non-blank lines for HD, 1,200 for TaH."""
+    files, rows = made_in(suite, tmp_path)
+    assert rows and files - set(METHODS) == set(path), sorted(files)
+    counted = {f: lines(f) for f in path}
+    assert sum(counted.values()) <= most, counted
 
 
 def test_code_lines_count_neither_docstrings_nor_comments(tmp_path):
@@ -211,23 +252,23 @@ def test_a_plain_run_goes_through_the_readers_path_and_imports_nothing_of_the_ab
               "--tah_base_iters=1", "--tah_sft_iters=1", "--decider_iters=1", "--data", str(text), "--out",
               str(tmp_path / "out")]
     script = ("import sys, train_tiny\ntrain_tiny.main(sys.argv[1:])\n"
-              "print(sorted(m for m in sys.modules if m.split('.')[0] in {'lab', 'protocols', 'trainer', 'tasks'}))")
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in {'lab', 'experiment', 'trainer', 'tasks'}))")
     run = subprocess.run([sys.executable, "-c", script, *budget], cwd=HERE, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     imported = eval(run.stdout.strip().splitlines()[-1])
-    assert not {"lab.ablations", "lab.arith"} & set(imported) and {"protocols", "trainer", "tasks"} <= set(imported), \
+    assert not {"lab.ablations", "lab.arith"} & set(imported) and {"experiment", "trainer", "tasks"} <= set(imported), \
         imported
 
 
 SKIPPABLE = ("lab/__init__.py", "lab/startup.py", "lab/runner.py", "lab/files.py", "lab/presets.py", "lab/tokens.py",
-             "lab/report.py", "lab/figures.py", "lab/inside.py", "lab/flops.py")  # what a learner may skip
+             "lab/report.py", "lab/figures.py", "lab/flops.py")  # what a learner may skip
 
 
-def test_a_plain_run_traced_from_main_to_its_rows_runs_four_core_files_and_lab_files_a_learner_may_skip(tmp_path):
+def test_a_plain_run_traced_from_main_to_its_report_runs_the_core_files_and_lab_files_a_learner_may_skip(tmp_path):
     """Every function a tiny `--suite hd,tah --jobs 1` run calls, from main to the report, traced
-    (sys.setprofile): the files they sit in are the methods, the reader's four files and lab files
+    (sys.setprofile): the files they sit in are the methods, the reader's six files and lab files
     named as skippable (the runner, the files, the checks, the token cache, the report, the figures,
-    the probes, the FLOPs count), never the ablations, the addition task or --suite hd-compute's."""
+    the FLOPs count), never the ablations, the addition task or --suite hd-compute's."""
     import train_tiny
     text = tmp_path / "text.txt"
     text.write_text("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace from day to day. " * 40)
@@ -376,7 +417,7 @@ def test_every_lab_file_run_as_a_script_from_anywhere_says_what_to_run_in_one_li
         want = "python -m lab.figures" if f == "lab/figures.py" else "is no script: run python "
         assert run.returncode == 2 and not out and err.strip().splitlines() == [err.strip()] and want in err, \
             (f, args, cwd, run.returncode, err[-500:])
-    assert len(runs) >= 3 * 19
+    assert len(runs) >= 3 * 18 - 1  # 18 lab files, lab.figures with -m a script
 
 
 def test_lab_figures_run_with_m_refuses_an_unknown_argument():

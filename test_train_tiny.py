@@ -1,10 +1,11 @@
-"""The experiment's specification (train_tiny.py, protocols.py, trainer.py, tasks.py): the data
-round-trips and the tasks are what they say, the loop's cut of a batch and its resume are exact, the
-protocols continue from one checkpoint on the same batches and label as the paper says, and the one
-verdict rule. The machinery around them (flags, processes, files) is specified in lab/test_runner.py."""
+"""The experiment's specification (train_tiny.py, experiment.py, hd_experiment.py, tah_experiment.py,
+trainer.py, tasks.py): the data round-trips and the tasks are what they say, the loop's cut of a batch
+and its resume are exact, the protocols continue from one checkpoint on the same batches and label as
+the paper says, the one verdict rule, and the probes give what is known of a model built to know it. The machinery around them (flags, processes, files) is specified in lab/test_runner.py."""
 
 import copy
 import json
+import math
 import os
 import re
 from dataclasses import replace
@@ -15,14 +16,21 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import protocols
+import experiment
+import hd_experiment
+import moe
+import tah_experiment
 import tasks
 import train_tiny as tt
 import trainer
 from conftest import SMOKE, examples, flags, patch_train, suite_ctx, suite_run, tiny_backbone
-from lab import ablations, compute, files, inside, report, tokens
+from experiment import attention_weights, recording_attention
+from hd import HDConfig, HiddenDecoding
+from hd_experiment import entropy, head_probes, reference_copy, stream_cosine, stream_mass, stream_states
+from lab import ablations, compute, files, tokens
 from lab.arith import Arith
-from tah import ThinkAtHard
+from tah import TaHConfig, ThinkAtHard
+from tah_experiment import OUTCOMES, iteration_outcomes, tah_trace
 from tasks import Lookups
 
 
@@ -203,8 +211,8 @@ def test_tah3_oracle_bins_each_problems_hard_answers_by_reference_ce(seed):
     torch.manual_seed(seed)
     task = tasks.Lookups(6, 4, 0.3, 0.3)
     x, y = task.batch("train", 3, 3 * task.problem_len, torch.Generator().manual_seed(seed))
-    ref = ThinkAtHard(protocols.tah_config(tt.PRESETS["default"], task, 1)).eval()
-    got = protocols.Oracle(ref, 3, task)(x, y)
+    ref = ThinkAtHard(tah_experiment.tah_config(tt.PRESETS["default"], task, 1)).eval()
+    got = tah_experiment.Oracle(ref, 3, task)(x, y)
     logits = ref(x, mode="standard").logits.detach()
     for b in range(3):
         hard = [t for t in range(x.size(1)) if y[b, t] >= 0 and logits[b, t].argmax() != y[b, t]]
@@ -238,7 +246,7 @@ def test_an_uneven_cut_of_the_batch_gives_the_whole_batchs_loss_and_gradients(ac
     grads = []
     for a in (1, accum):
         model = tiny_backbone()
-        total = trainer.MicroSteps(model, protocols.lm_loss, trainer.Context(tmp_path, accum=a), stage=P, label="arm s0")(x, y)
+        total = trainer.MicroSteps(model, experiment.lm_loss, trainer.Context(tmp_path, accum=a), stage=P, label="arm s0")(x, y)
         grads.append((total, [p.grad for p in model.parameters()]))
     (one, g1), (cut, g2) = grads
     assert cut == pytest.approx(one, rel=1e-6)
@@ -250,7 +258,7 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path)
     P = trainer.Stage(steps=6, lr=3e-3, warmup=2, batch=4, block=16)
     data = Arith(2)
     args = lambda d: trainer.Context(d, accum=2, log_every=100, ckpt_every=1, checkpoints=files.Checkpoints())
-    straight = trainer.train("arm", tiny_backbone(), protocols.lm_loss, data, P, ctx=args(tmp_path / "a"), seed=3)
+    straight = trainer.train("arm", tiny_backbone(), experiment.lm_loss, data, P, ctx=args(tmp_path / "a"), seed=3)
 
     class Killed(Exception):
         pass
@@ -259,8 +267,8 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path)
         if step == 3:
             raise Killed
     with pytest.raises(Killed):
-        trainer.train("arm", tiny_backbone(), protocols.lm_loss, data, P, ctx=args(tmp_path / "b"), seed=3, on_step=kill)
-    resumed = trainer.train("arm", tiny_backbone(seed=99), protocols.lm_loss, data, P, ctx=args(tmp_path / "b"), seed=3)
+        trainer.train("arm", tiny_backbone(), experiment.lm_loss, data, P, ctx=args(tmp_path / "b"), seed=3, on_step=kill)
+    resumed = trainer.train("arm", tiny_backbone(seed=99), experiment.lm_loss, data, P, ctx=args(tmp_path / "b"), seed=3)
     assert len(resumed) == 6
     assert resumed == straight  # bit for bit on CPU
 
@@ -269,11 +277,11 @@ def all_effects():
     """Every Effect the suite files define: alone, in a tuple (a TaH task's), or in a dict, and the
     HD probes' effects of each n > 1."""
     found = []
-    for module in (protocols, ablations, inside, compute):
+    for module in (hd_experiment, tah_experiment, ablations, compute):
         for v in vars(module).values():
             for group in (v.values() if isinstance(v, dict) else [v]):
-                found += [e for e in (group if isinstance(group, tuple) else [group]) if isinstance(e, report.Effect)]
-    found += [e for n in tt.PRESETS["smoke"].hd_ns if n > 1 for e in inside.hd_effects(n)]  # made per n
+                found += [e for e in (group if isinstance(group, tuple) else [group]) if isinstance(e, experiment.Effect)]
+    found += [e for n in tt.PRESETS["smoke"].hd_ns if n > 1 for e in hd_experiment.hd_effects(n)]  # made per n
     return list(dict.fromkeys(found))
 
 
@@ -340,14 +348,14 @@ def test_tah_oracle_labels_are_the_standard_models_top1_mistakes_in_the_response
         out = real(name, model, loss_fn, data, P, ctx=ctx, seed=seed, on_step=on_step, **kw)
         trained[name] = model
         return out
-    real_stage1 = protocols.stage1_loss
+    real_stage1 = tah_experiment.stage1_loss
 
     def stage1(model, idx, targets, depths):
         if training[0] == f"{suite}/TaH stage 1":  # not the token-type router's stage 1
             labelled.append((idx.clone(), targets.clone(), depths.clone()))
         return real_stage1(model, idx, targets, depths)
     patch_train(monkeypatch, spy)
-    monkeypatch.setattr(protocols, "stage1_loss", stage1)
+    monkeypatch.setattr(tah_experiment, "stage1_loss", stage1)
     P = tt.PRESETS["smoke"]
     task = {"tah": tasks.Lookups(P.symbols, P.queries, P.two_hop), "tah-add": Arith(P.digits),
             "tah-hidden": tasks.Lookups(P.symbols, P.queries, P.two_hop, per_problem=True)}[suite]
@@ -394,21 +402,21 @@ def test_exact_match_counts_the_problems_whose_every_answer_digit_is_right(digit
 
 def test_claims_match_rows_by_identifier_and_an_identifier_without_rows_is_an_error():
     rows = [r for n in (1, 2, 4) for s in (0, 1)
-            for r in report.result_rows(protocols.HD_N, protocols.hd_cont_arm(n), s, {"loss": 5.0 - 0.01 * n - 0.001 * s})]
+            for r in experiment.result_rows(hd_experiment.HD_N, hd_experiment.hd_cont_arm(n), s, {"loss": 5.0 - 0.01 * n - 0.001 * s})]
     claims = tt.claims(flags([]))
-    judged = protocols.judge(rows, claims)
-    assert [v["claim"] for v in judged] == [c.name for c in claims if c.effect == protocols.HD_N]  # other suites did not run
+    judged = experiment.judge(rows, claims)
+    assert [v["claim"] for v in judged] == [c.name for c in claims if c.effect == hd_experiment.HD_N]  # other suites did not run
     assert len(judged) == 3
     relabelled = [{**r, "effect": r["effect"] + " (renamed)", "arm": r["arm"] + " (renamed)"} for r in rows]
-    assert protocols.judge(relabelled, claims) == judged  # labels are for readers only
-    renamed = [{**r, "arm_id": "n4-renamed"} if r["arm_id"] == protocols.hd_cont_arm(4).id else r for r in rows]
+    assert experiment.judge(relabelled, claims) == judged  # labels are for readers only
+    renamed = [{**r, "arm_id": "n4-renamed"} if r["arm_id"] == hd_experiment.hd_cont_arm(4).id else r for r in rows]
     with pytest.raises(ValueError, match="n=4 beats n=1"):
-        protocols.judge(renamed, claims)
+        experiment.judge(renamed, claims)
     with pytest.raises(TypeError, match="an Arm"):  # a claim names arms by Arm, never by a label
-        report.Claim("by label", protocols.HD_N, protocols.hd_cont_arm(2).label, baseline=protocols.hd_cont_arm(1),
+        experiment.Claim("by label", hd_experiment.HD_N, hd_experiment.hd_cont_arm(2).label, baseline=hd_experiment.hd_cont_arm(1),
                      metric="loss", sign=-1)
     with pytest.raises(TypeError, match="an Effect and an Arm"):
-        report.result_rows(protocols.HD_N, "n=2 continued", 0, {"loss": 5.0})
+        experiment.result_rows(hd_experiment.HD_N, "n=2 continued", 0, {"loss": 5.0})
 
 
 def identifiers_and_labels_name_each_other_one_to_one(rows):
@@ -423,19 +431,19 @@ def identifiers_and_labels_name_each_other_one_to_one(rows):
     for c in tt.claims(flags(["--smoke"])):  # every claim's arms are written by its suite
         assert c.effect.id in effects, c.name
         assert (c.effect.id, c.arm.id) in ids, c.name
-        assert not isinstance(c.baseline, report.Arm) or (c.effect.id, c.baseline.id) in ids, c.name
+        assert not isinstance(c.baseline, experiment.Arm) or (c.effect.id, c.baseline.id) in ids, c.name
 
 
 def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the_spread():
-    assert protocols.verdict([-0.04, -0.05, -0.045], -1) == "shown"
-    assert protocols.verdict([0.04, 0.05, 0.045], -1) == "not shown"  # the opposite sign
-    assert protocols.verdict([-0.04, -0.05, +0.001], -1) == "not shown"  # one seed flips
-    assert protocols.verdict([-0.01, -0.09, -0.002], -1) == "not shown"  # inside twice the spread
-    assert protocols.verdict([-0.01, -0.01, -0.04], -1) == "not shown"  # mean 1.15 std from zero: beyond one, not two
-    assert protocols.verdict([-0.015, -0.02, -0.035], -1) == "shown"  # mean 2.24 std from zero
-    assert protocols.verdict([-0.04], -1) == "not shown"  # one seed cannot show anything
-    assert protocols.verdict([0.2, 0.3, 0.25], +1) == "shown"
-    assert protocols.verdict(np.array([-0.04, -0.05, -0.045]), -1) == "shown"
+    assert experiment.verdict([-0.04, -0.05, -0.045], -1) == "shown"
+    assert experiment.verdict([0.04, 0.05, 0.045], -1) == "not shown"  # the opposite sign
+    assert experiment.verdict([-0.04, -0.05, +0.001], -1) == "not shown"  # one seed flips
+    assert experiment.verdict([-0.01, -0.09, -0.002], -1) == "not shown"  # inside twice the spread
+    assert experiment.verdict([-0.01, -0.01, -0.04], -1) == "not shown"  # mean 1.15 std from zero: beyond one, not two
+    assert experiment.verdict([-0.015, -0.02, -0.035], -1) == "shown"  # mean 2.24 std from zero
+    assert experiment.verdict([-0.04], -1) == "not shown"  # one seed cannot show anything
+    assert experiment.verdict([0.2, 0.3, 0.25], +1) == "shown"
+    assert experiment.verdict(np.array([-0.04, -0.05, -0.045]), -1) == "shown"
 
 
 @pytest.mark.parametrize("deltas, sign, words", [
@@ -458,7 +466,7 @@ def test_verdict_needs_the_papers_sign_in_every_seed_and_a_mean_beyond_twice_the
 ])
 def test_the_verdict_rule_refuses_what_is_not_its_input(deltas, sign, words):
     with pytest.raises(ValueError, match=words):
-        protocols.verdict(deltas, sign)
+        experiment.verdict(deltas, sign)
 
 
 def test_non_finite_loss_stops_the_run_naming_the_arm_and_step(tmp_path):
@@ -468,7 +476,7 @@ def test_non_finite_loss_stops_the_run_naming_the_arm_and_step(tmp_path):
 
     def blows_up(m, x, y):
         calls.append(1)
-        loss = protocols.lm_loss(m, x, y)
+        loss = experiment.lm_loss(m, x, y)
         return loss * float("nan") if len(calls) == 3 else loss
     with pytest.raises(SystemExit, match=r"\[arm s0\] loss is nan at step 3"):
         trainer.train("arm", tiny_backbone(), blows_up, Arith(2), P, ctx=args, seed=0)
@@ -481,7 +489,7 @@ def test_non_finite_weights_after_a_finite_loss_are_refused_before_any_save(tmp_
     steps = []
 
     def spoils_last_step(m, x, y):
-        loss = protocols.lm_loss(m, x, y)
+        loss = experiment.lm_loss(m, x, y)
         steps.append(1)
         if len(steps) == 2:  # the last step: its loss is finite, the weights after it are not
             with torch.no_grad():
@@ -621,6 +629,195 @@ def test_sample_refuses_what_is_no_results_of_a_trained_run_in_one_line(spoil, t
         sample.read_run(tmp_path)
     assert str(e.value.code).startswith(f"error: {path} is missing or not the results of a train_tiny.py run")
     assert "\n" not in str(e.value.code)
+
+
+
+# -----------------------------------------------------------------------------
+# the probes (hd_experiment.py, tah_experiment.py), each on a model or pattern whose answer is
+# known, or against a loop over the definition
+
+
+def hd_model(n=2, layout="IFLI", **kw):
+    cfg = HDConfig(vocab_size=37, block_size=16, n_layer=len(layout), layout=layout, n_embd=32, n_head=4,
+                   n_kv_head=2, head_dim=8, n_experts=4, top_k=2, expert_hidden=16, ffn_hidden=32, n_streams=n,
+                   window=3, **kw)
+    return HiddenDecoding(cfg).eval()
+
+def identity_backbone(model):
+    """Every block adds nothing to the residual: attention and FFN outputs zeroed."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down.weight", "w_down")):
+                p.zero_()
+    return model
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_identical_tables_and_identity_backbone_give_same_token_cosine_one(n):
+    torch.manual_seed(n)
+    model = identity_backbone(hd_model(n))
+    with torch.no_grad():
+        for t in model.tables[1:]:
+            t.weight.copy_(model.tables[0].weight)
+    idx = torch.randint(37, (2, 9))
+    states, _ = stream_states(model, idx)
+    assert states.shape == (model.cfg.n_layer + 1, 2, 9, n, 32)
+    same, diff = stream_cosine(states)
+    torch.testing.assert_close(same, torch.ones_like(same))
+    assert (diff < 1 - 1e-3).all()  # different tokens' embeddings differ
+
+@examples(20)
+@given(st.integers(2, 4), st.integers(2, 7), st.integers(0, 2**31 - 1))
+def test_stream_cosine_matches_a_loop(n, L, seed):
+    g = torch.Generator().manual_seed(seed)
+    states = torch.randn(3, 2, L, n, 5, generator=g)
+    same, diff = stream_cosine(states)
+    cos = lambda a, b: (a @ b / (a.norm() * b.norm())).item()
+    for layer in range(3):
+        s_vals, d_vals = [], []
+        for b in range(2):
+            for i in range(L):
+                for a in range(n):
+                    for c in range(a + 1, n):
+                        s_vals.append(cos(states[layer, b, i, a], states[layer, b, i, c]))
+                        d_vals.append(cos(states[layer, b, i, a], states[layer, b, (i - L // 2) % L, c]))
+        assert same[layer].item() == pytest.approx(sum(s_vals) / len(s_vals), abs=1e-5)
+        assert diff[layer].item() == pytest.approx(sum(d_vals) / len(d_vals), abs=1e-5)
+
+@examples(20)
+@given(st.integers(1, 4), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_stream_mass_gives_back_the_mass_that_was_set(n, L, seed):
+    """Each final-stream query spreads a chosen mass m_k over stream k's keys (any split over
+    tokens); stream_mass returns m."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(n, generator=g) + 0.01
+    m = m / m.sum()
+    w = torch.rand(2, 3, L * n, L * n, generator=g)  # other queries' rows: anything
+    for q in range(n - 1, L * n, n):
+        split = torch.rand(L, n, generator=g)
+        split = split / split.sum(0)  # per stream, a split over the L tokens
+        w[:, :, q] = (split * m).flatten()  # key t = i*n + k gets m_k * split[i, k]
+    torch.testing.assert_close(stream_mass(w, n), m)
+
+def test_recorded_attention_reproduces_each_layer_output():
+    """The recorded weights times V give what attention returned, for every mask form attend
+    takes (causal, boolean, GQA): the probe reads the attention the model ran."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    vv = v.repeat_interleave(2, dim=1)
+    band = torch.ones(6, 6, dtype=torch.bool).tril() & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)
+    for mask in ("causal", band, None):
+        y, w = moe.attend(q, k, v, mask), attention_weights(q, k, mask)
+        torch.testing.assert_close(w @ vv, y, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 6))
+
+def test_recording_attention_reads_every_layers_call_and_stops_after_the_block():
+    """recording_attention(model) gets one entry per layer's call, each a row-stochastic
+    (B, H, T*n, T*n) weight map; after the block the layers record nothing."""
+    torch.manual_seed(0)
+    n, model = 2, hd_model(2, layout="IFL")
+    idx = torch.randint(37, (2, 5))
+    ref = reference_copy(model)
+    with recording_attention(ref) as calls:
+        ref(idx)
+    assert len(calls) == ref.cfg.n_layer
+    for w in calls:
+        assert w.shape == (2, ref.cfg.n_head, 5 * n, 5 * n)
+        torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]))
+    layers = [m for m in ref.modules() if isinstance(m, moe.Attention)]
+    assert all(a.record is None for a in layers)
+    ref(idx)
+    assert len(calls) == ref.cfg.n_layer  # nothing recorded outside the block
+
+def test_hd_final_stream_mass_sums_to_one_and_intra_layers_read_their_own_stream():
+    torch.manual_seed(1)
+    n, model = 3, hd_model(3, layout="IFLI")
+    _, weights = stream_states(model, torch.randint(37, (2, 7)))
+    assert len(weights) == model.cfg.n_layer
+    for w in weights:
+        torch.testing.assert_close(stream_mass(w, n).sum(), torch.tensor(1.0))
+    torch.testing.assert_close(stream_mass(weights[0], n), torch.tensor([0.0, 0.0, 1.0]))  # I: own stream only
+
+def test_one_hot_head_gives_entropy_zero_and_every_stream_agrees():
+    """Identity backbone, every embedding row the same vector e, LM head row 5 = 50 e: every
+    stream's logits are one-hot at token 5 (entropy 0), so every stream's top-1 agrees."""
+    torch.manual_seed(2)
+    n, model = 4, identity_backbone(hd_model(4))
+    e = torch.randn(32)
+    with torch.no_grad():
+        for t in model.tables:
+            t.weight.copy_(e.expand_as(t.weight))
+        model.backbone.lm_head.weight.zero_()
+        model.backbone.lm_head.weight[5] = 50 * e / e.norm()
+    states, _ = stream_states(model, torch.randint(37, (2, 6)))
+    differs, ent, probs = head_probes(model, states[-1])
+    torch.testing.assert_close(ent, torch.zeros(n), atol=1e-6, rtol=0)
+    torch.testing.assert_close(differs, torch.zeros(n))
+    assert (probs.argmax(-1) == 5).all()
+
+@examples(20)
+@given(st.integers(2, 50), st.integers(0, 2**31 - 1))
+def test_entropy_matches_the_definition(V, seed):
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(seed)) * 3
+    for row, h in zip(logits, entropy(logits)):
+        p = [math.exp(x) for x in row.tolist()]
+        p = [x / sum(p) for x in p]
+        assert h.item() == pytest.approx(-sum(x * math.log(x) for x in p if x > 0), abs=1e-4)
+    assert entropy(torch.tensor([0.0, 0.0, 0.0, 0.0])).item() == pytest.approx(math.log(4))
+
+@examples(20)
+@given(st.integers(1, 40), st.integers(0, 2**31 - 1))
+def test_iteration_outcomes_match_a_loop(T, seed):
+    g = torch.Generator().manual_seed(seed)
+    target, before, after = (torch.randint(3, (T,), generator=g) for _ in range(3))
+    went, kind = torch.rand(T, generator=g) < 0.6, torch.randint(3, (T,), generator=g)
+    got = iteration_outcomes(before, after, target, went, kind)
+    want = {}
+    for t in range(T):
+        if went[t]:
+            b, a = before[t] == target[t], after[t] == target[t]
+            name = {(False, True): OUTCOMES[0], (True, False): OUTCOMES[1], (False, False): OUTCOMES[2],
+                    (True, True): OUTCOMES[3]}[(bool(b), bool(a))]
+            want.setdefault(int(kind[t]), dict.fromkeys(OUTCOMES, 0))[name] += 1
+    assert got == want
+
+@pytest.mark.parametrize("n_layer", [1, 3])
+def test_tah_trace_reads_the_forward_it_draws_and_its_attention_obeys_the_duo_causal_mask(n_layer):
+    """The trace's passes and top-1s are the decider-routed forward's; each second-pass query's
+    weights sum to 1 over the keys and fall only on keys (j, k) with j <= i (TaH Eq. 5; k <= 1
+    holds for every key of two passes)."""
+    torch.manual_seed(n_layer)
+    cfg = TaHConfig(vocab_size=29, block_size=16, n_layer=n_layer, n_embd=32, n_head=4, n_kv_head=2, head_dim=8,
+                    n_experts=0, ffn_hidden=32, logit_topk=29, kv_mirror=n_layer >= 3)
+    model = ThinkAtHard(cfg).eval()
+    with torch.no_grad():
+        model.decider.mlp[-1].bias.fill_(3.0)  # sigmoid(score) > 0.9 for most tokens: a second pass to read
+    idx = torch.randint(29, (1, 11))
+    trace = tah_trace(model, idx)
+    out = model(idx, mode="decider")
+    assert torch.equal(trace["passes"], out.depths[0])
+    assert torch.equal(trace["final"], out.logits[0].argmax(-1))
+    assert torch.equal(trace["first"], out.first_logits[0].argmax(-1))
+    went = (out.depths[0] > 1).nonzero().squeeze(1)
+    assert len(went) > 0 and torch.equal(trace["query_pos"], went)
+    w = trace["weights"]
+    torch.testing.assert_close(w.sum(-1), torch.ones(len(went)))
+    visible = trace["key_pos"][None, :] <= trace["query_pos"][:, None]
+    assert (w[~visible] == 0).all()
+    assert set(trace["key_depth"].tolist()) == {0, 1}
+
+def test_head_probes_count_disagreement_against_the_final_stream():
+    """Streams that disagree: stream k's share of positions whose top-1 differs from the final
+    stream's (k = n-1), against a loop over positions. A probe that compared with stream 0
+    instead would give stream 0 a share of 0 and the final stream a nonzero one."""
+    torch.manual_seed(5)
+    n, model = 3, hd_model(3)
+    last = torch.randn(2, 7, n, 32) * 5  # (B, L, n, C): random states, so the streams' top-1s differ
+    differs, _, _ = head_probes(model, last)
+    with torch.no_grad():
+        top = [[[model.head(last[b, i, k]).argmax().item() for k in range(n)] for i in range(7)] for b in range(2)]
+    want = [sum(top[b][i][k] != top[b][i][n - 1] for b in range(2) for i in range(7)) / 14 for k in range(n)]
+    assert want[n - 1] == 0 and want[0] > 0  # the example separates final from stream 0
+    torch.testing.assert_close(differs, torch.tensor(want, dtype=differs.dtype))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ Tiny training runs that show the two papers' headline effects with numbers.
     torchrun --nproc_per_node=8 train_tiny.py # DDP: the global batch split over ranks
 
 Read top to bottom: the budgets (Preset), then main: parse the flags, open the run, train and
-evaluate each suite's arms seed by seed (train_seed: the protocols of protocols.py, on the loop of
-trainer.py and the data of tasks.py), judge every claim by one rule, write the report. What a
+evaluate each suite's arms seed by seed (train_seed: each paper's experiment, hd_experiment.py and
+tah_experiment.py, on the loop of trainer.py and the data of tasks.py), judge every claim by the one
+rule (experiment.py), write the report. What a
 learner may skip (the command line, the --jobs processes, resuming, the tables and figures) is in lab/.
 """
 
@@ -21,8 +22,10 @@ import shutil  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 
-import protocols  # noqa: E402
-from lab import figures, inside, presets, report, runner, tokens  # noqa: E402
+import experiment  # noqa: E402
+import hd_experiment  # noqa: E402
+import tah_experiment  # noqa: E402
+from lab import figures, presets, report, runner, tokens  # noqa: E402
 from tasks import Lookups, load_text  # noqa: E402
 from trainer import log  # noqa: E402
 
@@ -140,14 +143,13 @@ def task(suite, preset, text):
 
 def train_seed(suite, preset, ctx, seed, data):
     """One (suite, seed)'s result rows: every arm trained on the seed's batches and evaluated on
-    the held-out set. The headline suites' protocols; the rest, and every extra arm under --suite
-    all, from lab/ablations.py."""
+    the held-out set, with the probes of what the trained models do. The headline suites' protocols
+    (hd_experiment.py, tah_experiment.py); the rest, and every extra arm under --suite all, from
+    lab/ablations.py."""
     if suite == "hd" and not ctx.ablations:  # HD: each n of --hd_ns (1, 2, 4) continued from one n = 1 checkpoint
-        rows, trained = protocols.hd_protocol(preset, ctx, seed, data)
-        return rows + inside.hd_probes(trained, preset, ctx, seed, data)  # what the streams hold (lab/inside.py)
+        return hd_experiment.hd_protocol(preset, ctx, seed, data)[0]
     if suite == "tah" and not ctx.ablations:  # TaH: Standard, AlwaysThink, TaH (oracle, decider) on lookups
-        rows, trained = protocols.tah_protocol(preset, ctx, seed, data)
-        return inside.tah_probes(rows, trained, protocols.TAH_EFFECTS, seed, keep_problem=True)
+        return tah_experiment.tah_protocol(preset, ctx, seed, data)[0]
     from lab import ablations
     return ablations.train_seed(suite, preset, ctx, seed, data)
 
@@ -155,8 +157,8 @@ def train_seed(suite, preset, ctx, seed, data):
 def claims(flags):
     """Every claim of the suites that ran: what the paper says, as an arm against a baseline in a
     metric with a sign."""
-    hd_inside, tah_inside = inside.claims(flags.preset.hd_ns, protocols.TAH_EFFECTS, "TaH, lookups")
-    headline = protocols.hd_claims(flags.preset.hd_ns) + hd_inside + protocols.TAH_CLAIMS + tah_inside
+    headline = ((hd_experiment.hd_claims(flags.preset.hd_ns) if "hd" in flags.suites else [])
+                + (tah_experiment.TAH_CLAIMS if "tah" in flags.suites else []))
     if not (set(flags.suites) - set(HEADLINE) or flags.ctx.ablations):
         return headline
     from lab import ablations
@@ -175,31 +177,31 @@ def say_what_runs(flags, text):
             "(the report is in results.md)")
     log(f"preset {flags.preset_name}: {flags.preset}")
     log(f"{flags.ctx.device}, compile {'on' if flags.ctx.compile else 'off'}; "
-        f"{report.describe(protocols.hd_config(flags.preset, 100, max(flags.preset.hd_ns)), flags.ctx.device)}")
+        f"{report.describe(hd_experiment.hd_config(flags.preset, 100, max(flags.preset.hd_ns)), flags.ctx.device)}")
     if text is not None:
         log(f"text: {len(text.tokens):,} tokens, vocab {text.vocab_size:,}")
 
 
 def write_report(flags, ctx, rows, seconds, stopped=None):
     """results.md and results.json from the rows alone, every claim judged by the rule
-    (protocols.judge); then the figures. stopped: the run was stopped (SIGTERM), the report partial."""
+    (experiment.judge); then the figures. stopped: the run was stopped (SIGTERM), the report partial."""
     eval_set = "dev" if ctx.eval_split == "dev" else "held-out"
     header = (f"Measured by `{flags.command}` on {flags.machine}, {flags.preset.seeds} seed(s), evaluated on the "
               f"{eval_set} set; {seconds:.0f} s for this invocation.") + (f"\n\n**Partial: {stopped}**" if stopped else "")
     meta = {"preset": asdict(flags.preset), "run": ctx.run_dir.name, "data": flags.data, "device": flags.machine,
             "world_size": flags.world, "eval_set": ctx.eval_split, "partial": stopped}
-    kept = {ctx.run_dir / "inside" / name: title for name, title in {**inside.HD_INSIDE_MD, **inside.TAH_INSIDE_MD}.items()}
-    summary = report.write_report(rows, protocols.judge(rows, claims(flags)), flags.out, header=header,
-                                  rule=protocols.RULE, meta=meta, inside=kept, first_seed=ctx.seeds[0], brief=flags.smoke)
+    kept = {ctx.run_dir / "inside" / name: title for name, title in (hd_experiment.KEPT | tah_experiment.KEPT).items()}
+    summary = report.write_report(rows, experiment.judge(rows, claims(flags)), flags.out, header=header,
+                                  rule=experiment.RULE, meta=meta, inside=kept, first_seed=ctx.seeds[0], brief=flags.smoke)
     if stopped:
         raise SystemExit(f"{stopped}: results.md holds what finished, marked partial; run the same command to go on")
     drawn = [figures.plot(figures.loss_curves(ctx.run_dir), flags.out)]
     if "hd" in flags.suites:
-        drawn.append(inside.plot_hd_streams(summary, flags.out, flags.preset.hd_ns))
+        drawn.append(figures.plot_hd_streams(summary, flags.out, flags.preset.hd_ns))
     if set(flags.suites) & {"tah", "tah-hidden", "tah-add"}:
-        drawn.append(inside.plot_tah_tradeoff(summary, flags.out, eval_set))
+        drawn.append(figures.plot_tah_tradeoff(summary, flags.out, eval_set))
     if "tah" in flags.suites:
-        drawn.append(inside.copy_tah_problem(ctx.run_dir, flags.out))
+        drawn.append(figures.copy_tah_problem(ctx.run_dir, flags.out))
     if "hd-compute" in flags.suites:  # loss against training FLOPs (--suite hd-compute, or all)
         from lab import compute
         drawn.append(compute.plot(summary, flags.out, flags.preset.hd_ns))

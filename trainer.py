@@ -24,7 +24,7 @@ from moe import Transformer
 
 @dataclass(frozen=True)
 class Context:
-    """What the protocols and the loop read of the run around them (made once, by lab/runner.py)."""
+    """What the experiments and the loop read of the run around them (made once, by lab/runner.py)."""
     run_dir: Path  # <out>/run-<key>: checkpoints, finished rows, the analyses kept with the run
     run_key: Optional[str] = None  # the configuration's key, carried by every checkpoint
     device: str = "cpu"
@@ -38,6 +38,7 @@ class Context:
     log_every: int = 50
     ckpt_every: int = 50
     checkpoints: object = None  # a stage's save and resume (lab/files.py, given by lab/runner.py); None: none kept
+    keep: object = None  # keep(ctx, name, text, picture): a first seed's analysis kept with the run (lab/files.py)
     flops: object = None  # flops(model, T): a step's FLOPs per token (lab/flops.py's per_token), for the MFU on CUDA
 
 

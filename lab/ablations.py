@@ -18,12 +18,12 @@ from dataclasses import replace
 
 import torch
 
-import protocols
+import hd_experiment
+import tah_experiment
+from experiment import Arm, Claim, Effect, backbone_cfg, lm_loss, result_rows
 from hd import HiddenDecoding, expand_streams
-from lab import compute, inside
-from lab.report import Arm, Claim, Effect, result_rows
+from lab import compute
 from moe import ModelConfig, Transformer
-from protocols import backbone_cfg, lm_loss
 from tah import ThinkAtHard, oracle_depths, stage1_loss
 from trainer import Stage, evaluate, train
 
@@ -32,14 +32,11 @@ def train_seed(suite, preset, ctx, seed, data):
     """One (suite, seed)'s rows: a headline suite's protocol or a suite of this file, then, with
     ctx.ablations (--suite all, --smoke), the suite's extra arms from what it trained."""
     if suite == "hd":
-        rows, trained = protocols.hd_protocol(preset, ctx, seed, data)
-        rows += inside.hd_probes(trained, preset, ctx, seed, data)
+        rows, trained = hd_experiment.hd_protocol(preset, ctx, seed, data)
         return rows + (hd_ablations(preset, ctx, seed, data, trained) if ctx.ablations else [])
     if suite in ("tah", "tah-add"):
-        rows, trained = (protocols.tah_protocol(preset, ctx, seed, data) if suite == "tah"
+        rows, trained = (tah_experiment.tah_protocol(preset, ctx, seed, data) if suite == "tah"
                          else tah_addition(preset, ctx, seed, data))
-        rows = inside.tah_probes(rows, trained, protocols.TAH_EFFECTS if suite == "tah" else TAH_ADD_EFFECTS, seed,
-                                 keep_problem=suite == "tah")
         return rows + (tah_attention_ablations(suite, preset, ctx, seed, data, trained) if ctx.ablations else [])
     if suite == "moe":
         rows, bias_on = moe_protocol(preset, ctx, seed, data)
@@ -53,9 +50,9 @@ def train_seed(suite, preset, ctx, seed, data):
 def claims(preset):
     """The claims of every extra arm and suite of this file."""
     return (HD_ABLATION_CLAIMS + [attention_claim("tah", "TaH, lookups")]
-            + protocols.tah_claims(TAH_HIDDEN_EFFECTS, HIDDEN) + router_claims(TAH_HIDDEN_EFFECTS, HIDDEN)
-            + inside.tah_claims(TAH_HIDDEN_EFFECTS.inside, HIDDEN)
-            + protocols.tah_claims(TAH_ADD_EFFECTS, ADDITION_TASK) + [attention_claim("tah-add", ADDITION_TASK)]
+            + tah_experiment.tah_claims(TAH_HIDDEN_EFFECTS, HIDDEN) + router_claims(TAH_HIDDEN_EFFECTS, HIDDEN)
+            + tah_experiment.inside_claims(TAH_HIDDEN_EFFECTS.inside, HIDDEN)
+            + tah_experiment.tah_claims(TAH_ADD_EFFECTS, ADDITION_TASK) + [attention_claim("tah-add", ADDITION_TASK)]
             + MOE_CLAIMS + HD_PROG_CLAIMS + TAH3_CLAIMS + compute.claims(preset.hd_ns))
 
 
@@ -115,12 +112,12 @@ def hd_ablations(preset, ctx, seed, data, trained):
             rows += result_rows(effect, arm, seed, trained.metrics[how])
             continue
         model = expand_streams(trained.base, 2, **how).to(ctx.device)
-        train(f"hd/n=2 continued, {arm.label}", model, lm_loss, data, protocols.continuation(preset), ctx=ctx, seed=seed,
+        train(f"hd/n=2 continued, {arm.label}", model, lm_loss, data, hd_experiment.continuation(preset), ctx=ctx, seed=seed,
               first_batch=preset.hd_base_iters)
         rows += result_rows(effect, arm, seed, evaluate(model, data, preset, ctx))
     for arm, n in hd_scratch_arms(preset):
         torch.manual_seed(seed)
-        model = HiddenDecoding(protocols.hd_config(preset, data.vocab_size, n)).to(ctx.device)
+        model = HiddenDecoding(hd_experiment.hd_config(preset, data.vocab_size, n)).to(ctx.device)
         train(f"hd/{arm.label}", model, lm_loss, data, from_scratch(preset), ctx=ctx, seed=seed)
         rows += result_rows(HD_SCRATCH, arm, seed, evaluate(model, data, preset, ctx))
     return rows
@@ -158,13 +155,13 @@ def prog_arm(n, stage):
 def hd_progressive(preset, ctx, seed, data):
     """HD as the paper scales it (§2.3): stage 1 expands the n=1 backbone to n=2, stage 2 that n=2
     to n=4; n=1 (the control) and n=2 go through both stages on the same batches."""
-    base = protocols.hd_backbone(preset, ctx, seed, data, "hd-progressive")
+    base = hd_experiment.hd_backbone(preset, ctx, seed, data, "hd-progressive")
     rows, models = [], {n: expand_streams(base, n).to(ctx.device) for n in (1, 2)}
     for stage in (1, 2):
         if stage == 2:  # n=4 from stage 1's n=2, before that one trains on
             models[4] = expand_streams(models[2], 4).to(ctx.device)
         for n, model in models.items():
-            train(f"hd-progressive/n={n} stage {stage}", model, lm_loss, data, protocols.continuation(preset), ctx=ctx,
+            train(f"hd-progressive/n={n} stage {stage}", model, lm_loss, data, hd_experiment.continuation(preset), ctx=ctx,
                   seed=seed, first_batch=preset.hd_base_iters + (stage - 1) * preset.hd_cont_iters)
             rows += result_rows(HD_PROG, prog_arm(n, stage), seed, evaluate(model, data, preset, ctx))
     return rows
@@ -184,7 +181,7 @@ HD_PROG_CLAIMS = [
 
 ADDITION = "addition, answer digits; the contrast"
 ADDITION_TASK = "TaH, addition"
-TAH_ADD_EFFECTS = protocols.tah_effects("tah-add", ADDITION, inside=False)  # the probes read lookups
+TAH_ADD_EFFECTS = tah_experiment.tah_effects("tah-add", ADDITION, inside=False)  # the probes read lookups
 ATTENTION = {tag: Effect(f"{tag}-attention", f"TaH: duo-causal vs ablations, oracle routing ({task})",
                          "avg: duo-causal 35.9 vs causal (depth-1 keys) 30.5 (TaH Table 2)")
              for tag, task in (("tah", "in-context lookups, answers"), ("tah-add", ADDITION))}
@@ -202,7 +199,7 @@ def tah_attention_ablations(suite, preset, ctx, seed, data, trained):
     rows = []
     for attention in TAH_ATTENTION_ABLATIONS:
         model = with_attention(trained.base, attention)
-        train(f"{suite}/TaH stage 1, {attention}", model, protocols.OracleLoss(trained.oracle), data,
+        train(f"{suite}/TaH stage 1, {attention}", model, tah_experiment.OracleLoss(trained.oracle), data,
               trained.stages.sft, ctx=ctx, seed=seed, first_batch=trained.stages.base.steps)
         if attention == "first_depth":
             rows += result_rows(ATTENTION[suite], DUO_CAUSAL, seed, trained.evaluate(trained.models["tah"], "oracle")[0])
@@ -225,16 +222,15 @@ def attention_claim(tag, task):
 def tah_addition(preset, ctx, seed, data):
     """The contrast: TaH on addition, whose hard digits need the carry chain over operands that
     never iterate (they have no target), not a refinement at the digit."""
-    trained = protocols.train_tah_arms(preset, ctx, seed, data, "tah-add", preset.add_layers)
-    rows, trained.tokens = protocols.tah_routing_rows(TAH_ADD_EFFECTS, trained.models, trained.evaluate, seed)
-    return rows, trained
+    trained = tah_experiment.train_tah_arms(preset, ctx, seed, data, "tah-add", preset.add_layers)
+    return tah_experiment.tah_results(TAH_ADD_EFFECTS, trained, seed), trained
 
 
 # -----------------------------------------------------------------------------
 # TaH where the query token does not say which queries are hard (TaH §3.3, Table 6)
 
 
-TAH_HIDDEN_EFFECTS = protocols.tah_effects("tah-hidden", "lookups, hop count per problem, answers")
+TAH_HIDDEN_EFFECTS = tah_experiment.tah_effects("tah-hidden", "lookups, hop count per problem, answers")
 HIDDEN = "TaH, lookups, hop count per problem"  # the claims' task name
 TAH_ROUTER = Arm("tah-router", "TaH, token-type router (2 passes for every token of a kind that can be hard)")
 
@@ -262,17 +258,16 @@ def tah_hidden(preset, ctx, seed, data):
     """TaH on lookups whose hop count is written once per problem: a query token does not say
     which queries are hard, the model's state does (TaH §3.3); the token-type router beside,
     fine-tuned from the same base on the same batches."""
-    trained = protocols.train_tah_arms(preset, ctx, seed, data, "tah-hidden")
+    trained = tah_experiment.train_tah_arms(preset, ctx, seed, data, "tah-hidden")
     route = TokenRouter(data)
-    trained.models["router"] = protocols.from_base(trained.base)
+    trained.models["router"] = tah_experiment.from_base(trained.base)
     train("tah-hidden/token-type router", trained.models["router"], route.stage1_loss, data, trained.stages.sft,
           ctx=ctx, seed=seed, first_batch=trained.stages.base.steps)
 
     def evaluate_routed(model, mode, threshold=None):
         return trained.evaluate(model, mode, threshold, route if mode == "router" else None)
-    rows, trained.tokens = protocols.tah_routing_rows(TAH_HIDDEN_EFFECTS, trained.models, evaluate_routed, seed,
-                                                      protocols.TAH_ARMS + [(TAH_ROUTER, "router", "router")])
-    return inside.tah_probes(rows, trained, TAH_HIDDEN_EFFECTS, seed)
+    return tah_experiment.tah_results(TAH_HIDDEN_EFFECTS, trained, seed, evaluate=evaluate_routed,
+                                      arms=tah_experiment.TAH_ARMS + [(TAH_ROUTER, "router", "router")])
 
 
 # "within the router's accuracy": at most 3 points below it. Fixed on the dev split (3 seeds) before any
@@ -287,13 +282,13 @@ def router_claims(effects, task):
     r, sent_on = effects.routing, effects.inside
     return [
         Claim(f"{task}: the decider runs fewer passes per token than the token-type router", r,
-              protocols.TAH_DECIDER, baseline=TAH_ROUTER, metric="passes per token", sign=-1),
+              tah_experiment.TAH_DECIDER, baseline=TAH_ROUTER, metric="passes per token", sign=-1),
         Claim(f"{task}: ... at answer accuracy within {ROUTER_MARGIN * 100:.0f} points of the router's", r,
-              protocols.TAH_DECIDER, baseline=TAH_ROUTER, metric="acc", sign=+1, margin=ROUTER_MARGIN),
+              tah_experiment.TAH_DECIDER, baseline=TAH_ROUTER, metric="acc", sign=+1, margin=ROUTER_MARGIN),
         Claim(f"{task}: the decider sends the query token on in more than 10% of its occurrences", sent_on,
-              inside.QUERIES, baseline=0.1, metric=inside.SENT, sign=+1),
-        Claim(f"{task}: ... and in fewer than 90%: it routes by state, not by token", sent_on, inside.QUERIES,
-              baseline=0.9, metric=inside.SENT, sign=-1),
+              tah_experiment.QUERIES, baseline=0.1, metric=tah_experiment.SENT, sign=+1),
+        Claim(f"{task}: ... and in fewer than 90%: it routes by state, not by token", sent_on, tah_experiment.QUERIES,
+              baseline=0.9, metric=tah_experiment.SENT, sign=-1),
     ]
 
 
@@ -337,24 +332,24 @@ def tah3_protocol(preset, ctx, seed, data):
     """TaH-3 against TaH-2 on three-hop lookups (one layer follows one link per pass). One base and
     one Standard (the reference); from the base, each through both stages: TaH-2, TaH-3 (the
     reference's CE bins, App. A.2.1) and TaH-3 on iterated labels (IteratedOracle)."""
-    stages = protocols.tah_stages(preset, data)
-    cfg = protocols.tah_config(preset, data, preset.tah_layers)
-    base = protocols.tah_base(preset, ctx, seed, data, "tah3", cfg)
+    stages = tah_experiment.tah_stages(preset, data)
+    cfg = tah_experiment.tah_config(preset, data, preset.tah_layers)
+    base = tah_experiment.tah_base(preset, ctx, seed, data, "tah3", cfg)
     models = {}
-    for arm, depth in ((protocols.STANDARD, 1), (TAH2_ARM, 2), (TAH3_ARM, 3), (TAH3_ITER_ARM, 3)):
+    for arm, depth in ((tah_experiment.STANDARD, 1), (TAH2_ARM, 2), (TAH3_ARM, 3), (TAH3_ITER_ARM, 3)):
         models[arm] = ThinkAtHard(replace(cfg, max_depth=max(depth, 2))).to(ctx.device)
         models[arm].load_state_dict(base.state_dict())
         if depth == 1:
-            train("tah3/Standard", models[arm], protocols.standard_loss, data, stages.sft, ctx=ctx, seed=seed,
+            train("tah3/Standard", models[arm], tah_experiment.standard_loss, data, stages.sft, ctx=ctx, seed=seed,
                   first_batch=stages.base.steps)
             ref = copy.deepcopy(models[arm]).eval().requires_grad_(False)
         else:
             oracle = (IteratedOracle(ref, copy.deepcopy(models[TAH2_ARM]).eval().requires_grad_(False), data)
-                      if arm == TAH3_ITER_ARM else protocols.Oracle(ref, depth, data))
-            protocols.train_tah(f"tah3/{arm.label}", models[arm], oracle, data, stages, ctx, seed)
-    batches = lambda: protocols.eval_batches(data, stages, ctx)
+                      if arm == TAH3_ITER_ARM else tah_experiment.Oracle(ref, depth, data))
+            tah_experiment.train_tah(f"tah3/{arm.label}", models[arm], oracle, data, stages, ctx, seed)
+    batches = lambda: tah_experiment.eval_batches(data, stages, ctx)
     return [row for arm, model in models.items()
-            for row in result_rows(TAH3, arm, seed, tah_by_hops(model, batches(), data, arm != protocols.STANDARD))]
+            for row in result_rows(TAH3, arm, seed, tah_by_hops(model, batches(), data, arm != tah_experiment.STANDARD))]
 
 
 @torch.no_grad()

@@ -41,13 +41,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import protocols
+import hd_experiment
 from checks import MAX_INT, check_fits, check_tokens, is_int
+from experiment import Arm, Claim, Effect, lm_loss, result_rows
 from hd import HiddenDecoding, expand_streams, layer_mask
 from lab import figures, flops
-from lab.report import Arm, Claim, Effect, interval95, result_rows
+from lab.report import interval95
 from moe import BlockMask, dense_mask, upcast
-from protocols import lm_loss
 from trainer import evaluate, train
 
 
@@ -211,11 +211,11 @@ HD_COMPUTE = Effect("hd-compute", "HD: the continuation's compute spent four way
                     "HD argues for its streams against looped (recurrent-depth) transformers on cost and practicality "
                     "(HD §1, §3), not on quality at equal compute; this project's comparison")
 FLOPS = "continuation training FLOPs"
-N1 = protocols.hd_cont_arm(1)
+N1 = hd_experiment.hd_cont_arm(1)
 
 
 def streams_arm(n):
-    return protocols.hd_cont_arm(n)
+    return hd_experiment.hd_cont_arm(n)
 
 
 STEPS = (0.5, 1.5, 2, 4)  # n = 1 continued for these multiples of the continuation's steps (1x: the control)
@@ -247,8 +247,8 @@ def hd_compute(preset, ctx, seed, data):
     (LATE: no loop, no ParScale, for time). Each arm's held-out loss and accuracy, its FLOPs as
     run, and (not the steps arms) its effective compute: the FLOPs n = 1 needs to reach the arm's
     loss on this seed's curve of more steps in its regime, over the arm's."""
-    base = protocols.hd_backbone(preset, ctx, seed, data, "hd-compute")
-    ks, stage = preset.hd_ns[1:], protocols.continuation(preset)
+    base = hd_experiment.hd_backbone(preset, ctx, seed, data, "hd-compute")
+    ks, stage = preset.hd_ns[1:], hd_experiment.continuation(preset)
     run = dict(preset=preset, ctx=ctx, seed=seed, data=data)
     rows, last = regime(HD_COMPUTE, base, preset.hd_base_iters, **run,
                         others=[(looped_arm(k), lambda m, k=k: Looped(m, k)) for k in ks]
@@ -266,7 +266,7 @@ def regime(effect, start, done, *, preset, ctx, seed, data, others=()):
     arms read from): HD n for each of --hd_ns (n = 1, the control), n = 1 for each of STEPS x the
     continuation's steps, and `others` [(arm, the model made from an n = 1 copy)]. Returns the
     rows and the longest steps arm's model, as trained."""
-    stage = protocols.continuation(preset)
+    stage = hd_experiment.continuation(preset)
     arms = [(streams_arm(n), expand_streams(start, n), stage) for n in preset.hd_ns]
     arms += [(steps_arm(k), expand_streams(start, 1), replace(stage, steps=max(1, round(k * stage.steps))))
              for k in STEPS]
@@ -310,7 +310,7 @@ def check_arms(preset, *, vocab, max_steps, device, sharing):
         return (f"--suite hd-compute continues n = 1 for {most:g}x --hd_cont_iters ({most:g} x {preset.hd_cont_iters:,} "
                 f"steps), past the {max_steps:,} steps a stage may take: lower --hd_cont_iters")
     try:  # looped x k keeps what a batch of k x --batch sequences keeps
-        check_fits(protocols.hd_config(preset, vocab, 1), k * preset.batch, training=True, device=device, sharing=sharing)
+        check_fits(hd_experiment.hd_config(preset, vocab, 1), k * preset.batch, training=True, device=device, sharing=sharing)
     except ValueError as e:
         return f"--suite hd-compute's n = 1 looped x{k}: {e} (--batch {preset.batch})"
     return None

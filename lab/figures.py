@@ -9,11 +9,14 @@ if __name__ == "__main__" and not __package__:  # by its path lab/ is not import
     print("lab/figures.py runs as a module, from the project's folder: python -m lab.figures --help", file=sys.stderr)
     sys.exit(2)
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 
-from lab.files import load_checkpoint
+from hd_experiment import HDInside, hd_effects
+from lab.files import atomic, load_checkpoint
+from trainer import rank_world
 
 
 def pyplot():
@@ -221,6 +224,40 @@ def plot_streams(summary, out_dir, cosine, mass, head):
         ax.legend(fontsize=7)
     axes[0].tick_params(axis="x", labelsize=7)
     return saved(fig, out_dir / "hd_streams.png")
+
+
+class Kept:
+    """What an experiment keeps of its first seed with the run (trainer.Context.keep, given by
+    lab/runner.py): its markdown text as <run>/inside/<name>, and a TaH trace (picture: the
+    arguments of plot_trace) drawn beside it as a .png; written by rank 0."""
+
+    def __call__(self, ctx, name, text, picture=None):
+        if rank_world()[0] != 0:
+            return
+        (ctx.run_dir / "inside").mkdir(exist_ok=True)
+        atomic(ctx.run_dir / "inside" / name, lambda f: f.write(text.encode()))
+        if picture is not None:
+            plot_trace(**picture, path=ctx.run_dir / "inside" / Path(name).with_suffix(".png"))
+
+
+def plot_hd_streams(summary, out, ns):
+    """HD's streams figure (plot_streams) over the n > 1 of ns, from the probes' rows (hd_experiment.py)."""
+    effects = {n: hd_effects(n) for n in ns if n > 1}
+    return plot_streams(summary, out, *({n: getattr(e, f).name for n, e in effects.items()} for f in HDInside._fields))
+
+
+def plot_tah_tradeoff(summary, out, eval_set):
+    """Every TaH task's threshold sweep in the rows, one panel each; its two ends (Standard,
+    AlwaysThink) are its arms that are no threshold of the decider."""
+    sweeps = list(dict.fromkeys(s["effect"] for s in summary if s["effect"].startswith("TaH: decider threshold")))
+    ends = tuple(dict.fromkeys(s["arm"] for s in summary if s["effect"] in sweeps and "threshold" not in s["arm"]))
+    return plot_sweep(summary, out, eval_set, sweeps, ends)
+
+
+def copy_tah_problem(run_dir, out):
+    """The traced TaH problem's picture, kept with the run (lab/files.py's Kept), copied out beside the report."""
+    trace = run_dir / "inside" / "tah_problem.png"
+    return shutil.copyfile(trace, out / trace.name) if trace.exists() else None
 
 
 # -----------------------------------------------------------------------------

@@ -107,6 +107,7 @@ class Checkpoints:
     checkpoint_path, resume, save_checkpoint = map(staticmethod, (checkpoint_path, resume, save_checkpoint))
 
 
+
 # -----------------------------------------------------------------------------
 # The finished rows of a run
 

@@ -12,7 +12,8 @@ import math
 from dataclasses import fields
 
 from checks import MAX_INT, check_fits
-from protocols import hd_config, tah_config
+from hd_experiment import hd_config
+from tah_experiment import tah_config
 from tasks import Lookups
 
 MAX_STEPS, MAX_SEEDS = 10**6, 1000  # the counts' stated maxima: steps (every *iters, warm-up, batches), seeds

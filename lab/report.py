@@ -1,7 +1,7 @@
 """
 The report of train_tiny.py, from result rows alone (their vocabulary, Effect, Arm, Claim and
-result_rows, is protocols.py's, beside the rule): the tables (a markdown table per effect: mean ± std over seeds, the paired difference
-to its first arm), the verdicts' table (judged by protocols.judge), the 95% intervals, and claims
+result_rows, is experiment.py's, beside the rule): the tables (a markdown table per effect: mean ± std over seeds, the paired difference
+to its first arm), the verdicts' table (judged by experiment.judge), the 95% intervals, and claims
 pooled over a grid of cells (RESULTS.md).
 
 A row is {effect, effect_id, paper, arm, arm_id, metric, seed, value}; claims match on the ids,
@@ -19,8 +19,6 @@ import numpy as np
 import torch
 
 from hd import attention_path
-from protocols import Arm, Claim, Effect, finite_reals, result_rows  # noqa: F401 (the rows' vocabulary)
-
 from lab.files import atomic
 
 
@@ -175,23 +173,6 @@ def table(summary, verdicts, header, rule):
                          f"**{v['verdict']}** |")
         lines += ["", "These verdicts are this run's cell (its seeds, thread count and machine). RESULTS.md, \"The grid "
                   "of cells\", reports each headline claim over every cell measured, with a pooled 95% interval."]
-    return "\n".join(lines)
-
-
-def cell(text):
-    """A token as a markdown table cell."""
-    return "`" + text.replace("\n", "⏎").replace("|", "\\|").replace("`", "'") + "`"
-
-
-def trace_table(trace, names, describe):
-    """One TaH forward (inside.tah_trace), a row per token: passes, p(go on), top-1 after pass 1
-    and after the last."""
-    lines = ["| position | token | next | passes | p(go on) after pass 1 | top-1 after pass 1 | top-1 after the last |",
-             "|---|---|---|---|---|---|---|"]
-    for i, name in enumerate(names):
-        nxt = cell(names[i + 1]) if i + 1 < len(names) else ""
-        lines.append(f"| {i} | {cell(name)} | {nxt} | {trace['passes'][i].item()} | {trace['go'][i].item():.3f} | "
-                     f"{cell(describe(trace['first'][i].item()))} | {cell(describe(trace['final'][i].item()))} |")
     return "\n".join(lines)
 
 

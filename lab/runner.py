@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import tasks
 from lab import flops, startup
+from lab.figures import Kept
 from lab.files import Checkpoints, load_rows, save_rows
 from trainer import Context, log
 
@@ -227,7 +228,8 @@ def parse_flags(argv, *, doc, presets, suites, headline, text_suites, check):
     seeds, split = range(a.seed0, a.seed0 + preset.seeds), "dev" if a.dev else "val"
     ctx = Context(Path(), device=a.device, seeds=seeds, eval_split=split, eval_seed=EVAL_SEED[split],
                   ablations=a.suite == "all" or a.smoke, muon=a.muon, accum=a.accum, compile=a.compile,
-                  log_every=a.log_every, ckpt_every=a.ckpt_every, checkpoints=Checkpoints(), flops=flops.per_token)
+                  log_every=a.log_every, ckpt_every=a.ckpt_every, checkpoints=Checkpoints(), keep=Kept(),
+                  flops=flops.per_token)
     launch = f"torchrun --nproc_per_node={WORLD} train_tiny.py" if DDP else "python train_tiny.py"
     machine = (torch.cuda.get_device_name() if a.device.startswith("cuda") else
                f"CPU ({os.cpu_count()} cores; --jobs {jobs}, --threads {a.threads})") + f", world size {WORLD}" * DDP
@@ -245,9 +247,9 @@ def parse_flags(argv, *, doc, presets, suites, headline, text_suites, check):
 DYNAMO = dict(fail_on_recompile_limit_hit=True, recompile_limit=64)
 
 HERE = Path(__file__).resolve().parent.parent
-SOURCES = ("moe.py", "hd.py", "tah.py", "checks.py", "tasks.py", "trainer.py", "protocols.py", "train_tiny.py",
-           "lab/ablations.py", "lab/inside.py", "lab/report.py", "lab/figures.py", "lab/files.py", "lab/tokens.py",
-           "lab/flops.py", "lab/presets.py", "lab/runner.py", "lab/startup.py", "lab/arith.py",
+SOURCES = ("moe.py", "hd.py", "tah.py", "checks.py", "tasks.py", "trainer.py", "experiment.py", "hd_experiment.py",
+           "tah_experiment.py", "train_tiny.py", "lab/ablations.py", "lab/report.py", "lab/figures.py", "lab/files.py",
+           "lab/tokens.py", "lab/flops.py", "lab/presets.py", "lab/runner.py", "lab/startup.py", "lab/arith.py",
            "lab/compute.py")  # all that can change a result
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import protocols
+import hd_experiment
+import tah_experiment
 import tasks
 import train_tiny as tt
 import trainer
@@ -49,7 +50,7 @@ def test_iterated_labels_give_a_third_pass_to_the_tah2_models_depth2_mistakes(se
     torch.manual_seed(seed)
     task = tasks.Lookups(6, 4, 0.3, 0.3)
     x, y = task.batch("train", 3, 3 * task.problem_len, torch.Generator().manual_seed(seed))
-    cfg = protocols.tah_config(tt.PRESETS["default"], task, 1)
+    cfg = tah_experiment.tah_config(tt.PRESETS["default"], task, 1)
     ref, tah2 = ThinkAtHard(cfg).eval(), ThinkAtHard(cfg).eval()
     got = ablations.IteratedOracle(ref, tah2, task)(x, y)
     assert (got == 3).any() and (got == 1).any()  # an untrained pair leaves work for the third pass
@@ -92,11 +93,11 @@ def test_hd_ablations_continue_the_n1_checkpoint_on_the_headline_batches(tmp_pat
             assert len(batches) == len(batches2) == P.hd_cont_iters
             assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(batches, batches2))
         else:  # the headline's arm, its rows reused
-            trained[(effect.id, arm.id)] = protocols.hd_cont_arm(how).id
+            trained[(effect.id, arm.id)] = hd_experiment.hd_cont_arm(how).id
     assert len(seen) == 3 + sum(isinstance(h, dict) for _, _, h in ablations.hd_continued_ablation_arms(P))
     value = {(r["effect_id"], r["arm_id"], r["metric"]): r["value"] for r in rows}
     for (effect, arm), source in trained.items():
-        assert value[(effect, arm, "loss")] == value[(protocols.HD_N.id, source, "loss")]
+        assert value[(effect, arm, "loss")] == value[(hd_experiment.HD_N.id, source, "loss")]
     arms = {e.id: {a for (f, a, _) in value if f == e.id} for e in (ablations.HD_LAYOUTS_CONT, ablations.HD_OBJECTIVE_CONT,
                                                                     ablations.HD_KV_CONT, ablations.HD_SCRATCH)}
     for c in ablations.HD_ABLATION_CLAIMS:  # every claim names arms the suite writes
@@ -151,7 +152,7 @@ def test_the_token_router_names_a_task_without_token_kinds_and_non_token_input()
 
 def test_the_iterated_labels_name_a_model_or_task_they_cannot_read():
     task = Lookups(4, 2, 0.3, 0.3)
-    cfg = protocols.tah_config(tt.PRESETS["smoke"], task, 1)
+    cfg = tah_experiment.tah_config(tt.PRESETS["smoke"], task, 1)
     ref, tah2 = ThinkAtHard(cfg), ThinkAtHard(cfg)
     one_pass = ThinkAtHard(replace(cfg, max_depth=1))
     for args, says in [((torch.nn.Linear(2, 2), tah2, task), "ref must be a ThinkAtHard"),

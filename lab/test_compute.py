@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+import experiment
 from hd import HDConfig, HiddenDecoding, expand_streams, layer_mask
 from lab import compute, flops
 from moe import ModelConfig, Transformer, dense_mask
@@ -318,7 +319,7 @@ def test_hd_n4_costs_about_twice_n1_as_run_at_the_default_preset():
     looped x4 about 2.3x and x2 1.4x, because the head (~61% of the weights' work) runs once a
     token and the two KV-mirrored layers one row a token."""
     import train_tiny as tt
-    from protocols import hd_config
+    from hd_experiment import hd_config
     p = tt.PRESETS["default"]
     with torch.device("meta"):
         ms = {n: HiddenDecoding(hd_config(p, 9711, n)) for n in (1, 2, 4)}
@@ -378,7 +379,7 @@ def test_the_figure_plots_each_arms_paired_difference_from_the_control_against_i
     for seed, shift in enumerate((0.0, 0.3, -0.2)):  # the seeds' common shift cancels in the paired difference
         for arm, loss, f in ((compute.N1, 5.0, 1.0), (compute.streams_arm(2), 4.9, 1.3), (compute.steps_arm(2), 4.7, 2.0),
                              (compute.looped_arm(2), 5.1 + 0.01 * seed, 1.4)):
-            rows += report.result_rows(compute.HD_COMPUTE, arm, seed, {"loss": loss + shift, compute.FLOPS: f})
+            rows += experiment.result_rows(compute.HD_COMPUTE, arm, seed, {"loss": loss + shift, compute.FLOPS: f})
     drawn = {}
     real = compute.figures.pyplot()
     fig, ax = real.subplots()
@@ -431,7 +432,7 @@ def test_the_suites_wiring_every_arm_from_the_backbone_on_the_control_batches_ea
     from dataclasses import replace as with_fields
     preset = with_fields(tt.PRESETS["smoke"], hd_base_iters=2, hd_cont_iters=8)
     base = n1_model(block_size=preset.block)  # the preset's sequences (the FLOPs count refuses T past the block)
-    monkeypatch.setattr(compute.protocols, "hd_backbone", lambda *a: base)
+    monkeypatch.setattr(compute.hd_experiment, "hd_backbone", lambda *a: base)
     started = {}
 
     def train(name, model, loss, data, stage, ctx, seed, first_batch):

@@ -2,6 +2,7 @@
 labels of the plotted quantity, the plotted values are the summary's, and a mean has its error
 bars (one std over seeds)."""
 
+
 if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
     import sys
     print("lab/test_figures.py is no script: run python -m pytest lab/test_figures.py", file=sys.stderr)
@@ -14,9 +15,10 @@ pytest.importorskip("matplotlib")
 import matplotlib.figure  # noqa: E402
 from matplotlib.container import ErrorbarContainer  # noqa: E402
 
-import protocols  # noqa: E402
-from lab import figures, inside  # noqa: E402
-from lab.inside import stream_name  # noqa: E402
+import hd_experiment as hd_x  # noqa: E402
+import tah_experiment  # noqa: E402
+from hd_experiment import stream_name  # noqa: E402
+from lab import figures  # noqa: E402
 
 
 @pytest.fixture
@@ -41,14 +43,14 @@ def has_error_bars(ax):
 def test_hd_streams_panel_c_plots_the_top1_disagreement_and_d_the_entropy(drawn):
     figs, out = drawn
     summary, rng = [], np.random.default_rng(0)
-    for n, fx in ((n, inside.hd_effects(n)) for n in (2, 4)):
-        for arm in (inside.SAME, inside.DIFFERENT):
+    for n, fx in ((n, hd_x.hd_effects(n)) for n in (2, 4)):
+        for arm in (hd_x.SAME, hd_x.DIFFERENT):
             summary += [row(fx.cosine.name, arm, m, rng.uniform()) for m in ("input", "block 1", "block 2")]
         summary += [row(fx.mass.name, "block 3 (F)", f"on {stream_name(k, n)}", 1 / n) for k in range(n)]
         for k in range(n):
-            summary += [row(fx.head.name, stream_name(k, n), inside.DIFFERS, 0.0 if k == n - 1 else 0.4 + 0.01 * k),
-                        row(fx.head.name, stream_name(k, n), inside.BITS, 8.0 + 0.1 * k, 0.2)]
-    assert inside.plot_hd_streams(summary, out, (1, 2, 4)) is not None
+            summary += [row(fx.head.name, stream_name(k, n), hd_x.DIFFERS, 0.0 if k == n - 1 else 0.4 + 0.01 * k),
+                        row(fx.head.name, stream_name(k, n), hd_x.BITS, 8.0 + 0.1 * k, 0.2)]
+    assert figures.plot_hd_streams(summary, out, (1, 2, 4)) is not None
     (fig,) = figs
     a, b, c, d = fig.axes
     assert "cosine" in a.get_ylabel() and "attention mass" in b.get_ylabel()
@@ -64,12 +66,12 @@ def test_hd_streams_panel_c_plots_the_top1_disagreement_and_d_the_entropy(drawn)
 def test_the_tradeoff_labels_each_threshold_and_zooms_on_them(drawn):
     figs, out = drawn
     effect = "TaH: decider threshold sweep (in-context lookups, answers)"
-    summary = [row(effect, protocols.STANDARD, "iterated", 0.0), row(effect, protocols.STANDARD, "acc", 0.8),
-               row(effect, protocols.ALWAYS, "iterated", 1.0), row(effect, protocols.ALWAYS, "acc", 0.95)]
+    summary = [row(effect, tah_experiment.STANDARD, "iterated", 0.0), row(effect, tah_experiment.STANDARD, "acc", 0.8),
+               row(effect, tah_experiment.ALWAYS, "iterated", 1.0), row(effect, tah_experiment.ALWAYS, "acc", 0.95)]
     for t, it in ((0.5, 0.07), (0.9, 0.06)):
         summary += [row(effect, f"TaH decider, threshold {t}", "iterated", it), row(effect, f"TaH decider, threshold {t}",
                                                                                   "acc", 0.95)]
-    assert inside.plot_tah_tradeoff(summary, out, "held-out") is not None
+    assert figures.plot_tah_tradeoff(summary, out, "held-out") is not None
     (fig,) = figs
     ax = fig.axes[0]
     inset = ax.child_axes[0]
@@ -140,3 +142,29 @@ def test_report_py_says_in_one_line_when_its_folder_is_a_file_or_cannot_be_writt
     monkeypatch.setattr(figures, "plot_masks", denied)
     with pytest.raises(SystemExit, match=r"^error: Permission denied \(.*masks.png\): masks.png is not written$"):
         figures.main(["--out", str(tmp_path / "ro")])
+
+
+def test_the_masks_picture_shows_the_mask_functions_cells():
+    """figures.mask_panels on tiny sizes against the papers' definitions (a loop per cell), and
+    the drawn figure's pixel at each cell's centre: dark exactly where the query sees the key."""
+    pytest.importorskip("matplotlib")
+    n, L, window, depths = 2, 3, 2, (2, 1, 2)
+    panels = figures.mask_panels(n, L, window, depths)
+    t = range(n * L)
+    want = [[[kv <= q for kv in t] for q in t], [[0 <= q - kv < window for kv in t] for q in t],
+            [[kv <= q and kv % n == q % n for kv in t] for q in t]]
+    states = [(i, d) for d in range(2) for i, D in enumerate(depths) if D > d]  # the order a forward appends
+    want.append([[j <= i and k <= d for (j, k) in states] for (i, d) in states])  # TaH Eq. 5
+    assert [m.tolist() for _, m, _, _ in panels] == want
+    assert panels[-1][2] == [f"{i}.{d + 1}" for i, d in states]  # token.pass, passes counted from 1
+    fig = figures.draw_masks(panels)
+    assert [t.get_text() for t in fig.legends[0].texts] == ["the query may attend to the key", "masked"]
+    fig.canvas.draw()
+    pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3].mean(-1)  # (H, W) brightness, row 0 at the top
+    for ax, (_, m, _, _) in zip(fig.axes, panels):
+        for q in range(m.shape[0]):
+            for k in range(m.shape[1]):
+                x, y = ax.transData.transform((k, q))  # the cell's centre, y from the bottom
+                dark = pixels[int(round(pixels.shape[0] - y)), int(round(x))] < 128
+                assert dark == bool(m[q, k]), (ax.get_title(), q, k)
+    figures.pyplot().close(fig)

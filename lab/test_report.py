@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from conftest import examples
-import protocols
+import experiment
+import tah_experiment
 from lab import report
 
 
@@ -32,17 +33,17 @@ def test_pooling_refuses_an_empty_pool_and_a_delta_that_is_not_a_finite_number()
 
 def test_a_metric_without_a_value_in_some_seeds_is_summarized_over_the_others():
     # the decider's "share of AlwaysThink's gain" is nan in a seed where AlwaysThink gains nothing
-    fx, rr = protocols.TAH_EFFECTS.routing, report.result_rows
-    rows = [r for s in range(3) for r in rr(fx, protocols.STANDARD, s, {"acc": 0.5})]
-    rows += [r for s, v in enumerate([0.5, float("nan"), 1.5]) for r in rr(fx, protocols.TAH_DECIDER, s, {"share": v})]
-    rows += [r for s in range(3) for r in rr(fx, protocols.TAH_DECIDER, s, {"none": float("nan")})]
-    rows += [r for s, v in enumerate([0.6, float("nan"), 0.8]) for r in rr(fx, protocols.TAH_DECIDER, s, {"acc": v})]
+    fx, rr = tah_experiment.TAH_EFFECTS.routing, experiment.result_rows
+    rows = [r for s in range(3) for r in rr(fx, tah_experiment.STANDARD, s, {"acc": 0.5})]
+    rows += [r for s, v in enumerate([0.5, float("nan"), 1.5]) for r in rr(fx, tah_experiment.TAH_DECIDER, s, {"share": v})]
+    rows += [r for s in range(3) for r in rr(fx, tah_experiment.TAH_DECIDER, s, {"none": float("nan")})]
+    rows += [r for s, v in enumerate([0.6, float("nan"), 0.8]) for r in rr(fx, tah_experiment.TAH_DECIDER, s, {"acc": v})]
     summary = report.summarize(rows)
     s = {x["metric"]: x for x in summary}
-    acc = next(x for x in summary if x["arm"] == protocols.TAH_DECIDER.label and x["metric"] == "acc")
+    acc = next(x for x in summary if x["arm"] == tah_experiment.TAH_DECIDER.label and x["metric"] == "acc")
     assert (acc["delta_mean"], acc["delta_std"]) == pytest.approx((0.2, np.sqrt(0.02)))  # (0.1, 0.3) by hand
     assert (s["share"]["mean"], s["share"]["std"], s["share"]["n"], s["share"]["seeds"]) == (1.0, np.sqrt(0.5), 2, 3)
-    md = report.table(summary, [], "", protocols.RULE)
+    md = report.table(summary, [], "", experiment.RULE)
     assert "1.0000 ± 0.7071 (2 of 3 seeds)" in md and "no value" in md and "nan" not in md
 
 

@@ -26,7 +26,7 @@ import torch
 from hypothesis import given, strategies as st
 from torch._dynamo.testing import CompileCounter
 
-import protocols
+import experiment
 import tasks
 import tah
 import train_tiny as tt
@@ -674,7 +674,7 @@ def test_bad_data_files_fail_before_any_folder_is_made(tmp_path, content, words,
 def test_a_damaged_or_foreign_checkpoint_gives_one_line_naming_the_file(tmp_path):
     P = trainer.Stage(steps=3, lr=3e-3, warmup=1, batch=4, block=16)
     key = ["k1"]  # the configuration the next train call belongs to
-    train = lambda name, seed=0: trainer.train(name, tiny_backbone(), protocols.lm_loss, Arith(2), P,
+    train = lambda name, seed=0: trainer.train(name, tiny_backbone(), experiment.lm_loss, Arith(2), P,
                                                ctx=trainer.Context(tmp_path, key[0], log_every=100, ckpt_every=1,
                                                                checkpoints=files.Checkpoints()),
                                                seed=seed)

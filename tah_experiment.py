@@ -1,227 +1,30 @@
 """
-The protocols of train_tiny.py's two headline demonstrations, their claims and the one rule that
-judges every claim: Hidden Decoding's expansion factor n, continued from one n = 1 checkpoint (HD
-§2.3, Table 5), and Think-at-Hard's routing on in-context lookups (TaH §4.3, §5).
+Think-at-Hard's experiment (TaH §4.3, §5; Tables 1, 4 and 10, Figs. 1b and 4-7): routing on
+in-context lookups, and what the second pass does. train_tiny.py's `--suite tah`.
 
-A protocol is protocol(preset, ctx, seed, data) -> (rows, trained): `preset` the budget
-(train_tiny.Preset), ctx the run's context (trainer.Context), data the task (tasks.py). Every arm
-trains from the same seed on the same batches and is evaluated on the held-out set; each result
-is a row (result_rows, below: effect, arm, metric, seed, value). `trained` is what `--suite all`'s
-extra arms (lab/ablations.py) and the probes (lab/inside.py) build on: this file imports nothing
-of lab/, which hangs off it.
+The protocol: a base model is pretrained on the task; from it, on the same batches, Standard (one
+pass a token; also the oracle's reference), AlwaysThink (two passes for every token), and TaH's
+two stages (stage 1 on the oracle's depths, stage 2 the decider alone). Each routing mode is
+evaluated on the held-out set over the answers, with its revisions against Standard, and the
+decider over a sweep of thresholds. The probes: the diagnostics of Table 10, and the tokens the
+decider sends on, before and after the second pass (Fig. 5), one problem traced (Figs. 5, 7).
+The rows' vocabulary and the rule are experiment.py's.
 """
 
 import copy
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 
-from hd import HDConfig, HiddenDecoding, expand_streams
-from tah import TaHConfig, ThinkAtHard, oracle_depths, stage1_loss, stage2_loss
+from experiment import Arm, Claim, Effect, backbone_cfg, cell, keep, recording_attention, result_rows
+from tah import DepthKV, TaHConfig, ThinkAtHard, oracle_depths, stage1_loss, stage2_loss
 from tasks import answer_exact
-from trainer import Stage, batch_gen, evaluate, finite_loss, train
+from trainer import Stage, batch_gen, finite_loss, train
 
 # -----------------------------------------------------------------------------
-# The rows: an arm's results in one effect, one row per metric and seed; claims match on the ids
-
-
-@dataclass(frozen=True)
-class Effect:
-    """One comparison of the report, with the paper's figure it is set against. `id` is what
-    claims match rows on; `name` is the caption, free to change."""
-    id: str
-    name: str
-    paper: str
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One arm of an effect: `id` is what claims match rows on; `label` is what the tables show."""
-    id: str
-    label: str
-
-
-def result_rows(effect, arm, seed, metrics):
-    """One row per metric of one arm's results in one seed."""
-    if not (isinstance(effect, Effect) and isinstance(arm, Arm)):
-        raise TypeError(f"result_rows takes an Effect and an Arm, got {type(effect).__name__} and {type(arm).__name__}")
-    return [dict(effect=effect.name, effect_id=effect.id, paper=effect.paper, arm=arm.label, arm_id=arm.id, metric=m,
-                 seed=seed, value=v) for m, v in metrics.items()]
-
-
-@dataclass
-class Claim:
-    """The paper says `arm` differs from `baseline` (another Arm, or a target number) in `metric`
-    with sign `sign` (+1: higher)."""
-    name: str
-    effect: Effect
-    arm: Arm
-    _: KW_ONLY
-    baseline: object
-    metric: str
-    sign: int
-    margin: float = 0.0  # a non-inferiority claim: the arm may fall short of the baseline by this much
-
-    def __post_init__(self):
-        if not (isinstance(self.effect, Effect) and isinstance(self.arm, Arm)
-                and isinstance(self.baseline, (Arm, int, float))):
-            raise TypeError(f"claim {self.name!r}: an Effect, an Arm and a baseline Arm or number, got "
-                            f"{type(self.effect).__name__}, {type(self.arm).__name__}, {type(self.baseline).__name__}")
-
-
-def finite_reals(values, name):
-    """values as a 1-D float array, or one line saying why they are not finite reals."""
-    if isinstance(values, np.ndarray):
-        ok = values.ndim == 1 and values.dtype.kind in "fiu"
-    else:
-        ok = isinstance(values, (list, tuple)) and all(
-            isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) for v in values)
-    if not ok or not np.all(np.isfinite(np.asarray(values, dtype=float))):
-        raise ValueError(f"{name} must be finite real numbers in one dimension, got {values!r}")
-    if len(values) == 0:
-        raise ValueError(f"{name} is empty: there is nothing to judge")
-    return np.asarray(values, dtype=float)
-
-
-# -----------------------------------------------------------------------------
-# The rule: a claim is an arm against a baseline in one metric with the paper's sign, judged on
-# the paired differences over seeds (same seed: same init and batches, so most of the spread cancels)
-
-
-RULE = ("shown: over >= 2 seeds, the paired difference has the paper's sign in every seed and its mean "
-        "exceeds twice its standard deviation across seeds; otherwise not shown")
-
-
-def verdict(deltas, sign):
-    """The rule (RULE) on per-seed paired differences and the paper's direction (+1 or -1)."""
-    if type(sign) is not int or sign not in (1, -1):
-        raise ValueError(f"sign must be the int +1 or -1 (the paper's direction), got {sign!r}")
-    d = finite_reals(deltas, "deltas")
-    if len(d) < 2:
-        return "not shown"
-    right_sign = np.all(np.sign(d) == sign)
-    with np.errstate(over="ignore"):
-        mean, std = d.mean(), d.std(ddof=1)
-    if not (np.isfinite(mean) and np.isfinite(std)):
-        raise ValueError(f"deltas overflow a float's range (mean {mean}): a mean that overflowed is no verdict")
-    return "shown" if right_sign and abs(mean) > 2 * std else "not shown"
-
-
-def claim_deltas(rows, claim):
-    """Per-seed differences for a claim, from the rows, matched by the effect's and arms' ids."""
-    val = {(r["arm_id"], r["metric"], r["seed"]): r["value"] for r in rows if r["effect_id"] == claim.effect.id}
-    arm, m = claim.arm.id, claim.metric
-    seeds = sorted({s for (a, _, s) in val if a == arm})
-    if not isinstance(claim.baseline, Arm):  # a target number
-        return [val[(arm, m, s)] - claim.baseline for s in seeds if (arm, m, s) in val]
-    base = claim.baseline.id
-    return [val[(arm, m, s)] - val[(base, m, s)] for s in seeds if (arm, m, s) in val and (base, m, s) in val]
-
-
-def judge(rows, claims):
-    """Every claim whose suite ran, by the rule; a claim whose arms have no rows is an error (a bug)."""
-    out, ran = [], {r["effect_id"] for r in rows}
-    for c in claims:
-        if c.effect.id not in ran:
-            continue
-        d = claim_deltas(rows, c)
-        if not d:
-            raise ValueError(f"claim {c.name!r} finds no {c.metric!r} rows of arm {c.arm.id!r} against "
-                             f"{getattr(c.baseline, 'id', c.baseline)!r} in effect {c.effect.id!r}")
-        out.append(dict(claim=c.name, metric=c.metric, deltas=d, mean=float(np.mean(d)),
-                        std=float(np.std(d, ddof=1)) if len(d) > 1 else 0.0,
-                        verdict=verdict([x + c.sign * c.margin for x in d], c.sign) if np.all(np.isfinite(d))
-                        else "not shown"))  # a seed without a value (a rate over no tokens) shows nothing
-    return out
-
-
-# -----------------------------------------------------------------------------
-# Shared pieces
-
-
-def backbone_cfg(preset, vocab, **kw):
-    """The text backbone's shape from the preset, as keyword arguments of a config (kw: overrides)."""
-    p = preset
-    return dict(vocab_size=vocab, block_size=p.block, n_layer=p.n_layer, n_embd=p.n_embd, n_head=p.n_head,
-                n_kv_head=p.n_kv_head, head_dim=p.head_dim, n_experts=p.n_experts, top_k=p.top_k,
-                expert_hidden=p.expert_hidden, ffn_hidden=p.ffn_hidden) | kw
-
-
-def lm_loss(model, x, y):
-    return model(x, y)[1]
-
-
-# -----------------------------------------------------------------------------
-# HD: expansion factor n, continued from one n=1 checkpoint (HD §2.3, Table 5)
-
-
-HD_N = Effect("hd-n", "HD: expansion factor n, continued from one n=1 checkpoint",
-              "6B MoE loss: baseline 1.908, HD n=2 1.874, n=3 1.857 (HD Table 5); each stage continues the "
-              "previous one's checkpoint (HD §2.3)")
-BACKBONE = Arm("n1-backbone", "n=1 backbone (start of every arm)")
-JUST_EXPANDED = Arm("n2-step0", "n=2 just expanded (step 0)")
-
-
-def hd_cont_arm(n):
-    return Arm(f"n{n}-continued", f"n={n} continued")
-
-
-def hd_config(preset, vocab, n):
-    """HD with n streams on the text backbone, its layout and window from the preset."""
-    return HDConfig(**backbone_cfg(preset, vocab, layout=preset.layout, window=preset.window, n_streams=n))
-
-
-def hd_backbone(preset, ctx, seed, data, tag):
-    """The n = 1 model every HD arm continues from, pretrained for preset.hd_base_iters steps."""
-    torch.manual_seed(seed)
-    base = HiddenDecoding(hd_config(preset, data.vocab_size, 1)).to(ctx.device)
-    stage = Stage(preset.hd_base_iters, preset.lr, warmup=preset.warmup, batch=preset.batch, block=preset.block)
-    train(f"{tag}/backbone n=1", base, lm_loss, data, stage, ctx=ctx, seed=seed)
-    return base
-
-
-def continuation(preset):
-    """Every continued arm's stage: preset.hd_cont_iters steps at peak rate preset.hd_cont_lr."""
-    return Stage(preset.hd_cont_iters, preset.hd_cont_lr, warmup=preset.warmup, batch=preset.batch,
-                 block=preset.block)
-
-
-@dataclass
-class HDTrained:
-    """What the HD protocol hands on: the n = 1 backbone, each n's model and held-out metrics."""
-    base: HiddenDecoding
-    models: dict
-    metrics: dict
-
-
-def hd_protocol(preset, ctx, seed, data):
-    """HD's continued-pretraining protocol (§2.3, §4): an n = 1 backbone, continued as each n of
-    preset.hd_ns (n = 1: the control) on the same batches, each expanded with E_k <- E_{k mod n}."""
-    base = hd_backbone(preset, ctx, seed, data, "hd")
-    rows = result_rows(HD_N, BACKBONE, seed, evaluate(base, data, preset, ctx))
-    rows += result_rows(HD_N, JUST_EXPANDED, seed, evaluate(expand_streams(base, 2), data, preset, ctx))
-    trained = HDTrained(base, {n: expand_streams(base, n).to(ctx.device) for n in preset.hd_ns}, {})
-    for n, model in trained.models.items():
-        train(f"hd/n={n} continued", model, lm_loss, data, continuation(preset), ctx=ctx, seed=seed,
-              first_batch=preset.hd_base_iters)
-        trained.metrics[n] = evaluate(model, data, preset, ctx)
-        rows += result_rows(HD_N, hd_cont_arm(n), seed, trained.metrics[n])
-    return rows, trained
-
-
-def hd_claims(ns):
-    """Each n > 1 beats n = 1, and each n beats the one before it."""
-    more = [n for n in ns if n > 1]
-    return ([Claim(f"HD n={n} beats n=1 (continued from one checkpoint)", HD_N, hd_cont_arm(n),
-                   baseline=hd_cont_arm(1), metric="loss", sign=-1) for n in more]
-            + [Claim(f"HD gain grows with n: n={b} beats n={a}", HD_N, hd_cont_arm(b), baseline=hd_cont_arm(a),
-                     metric="loss", sign=-1) for a, b in zip(more, more[1:])])
-
-
-# -----------------------------------------------------------------------------
-# TaH: routing on in-context lookups (TaH §4.3, §5, Tables 1 and 4, Figs. 1b, 4 and 6)
+# The protocol: routing on in-context lookups (TaH §4.3, §5, Tables 1 and 4, Figs. 1b, 4 and 6)
 
 
 class TaHEffects(NamedTuple):
@@ -230,7 +33,6 @@ class TaHEffects(NamedTuple):
     sweep: Effect
     diagnostics: Effect
     inside: Optional[Effect] = None
-
 
 def tah_effects(tag, task, inside=True):
     return TaHEffects(
@@ -248,14 +50,15 @@ def tah_effects(tag, task, inside=True):
                "Qwen3-1.7B: the predictions of the tokens that think twice change across iterations (TaH Fig. 5); "
                "one token type goes on in 17-34% of its occurrences (TaH Table 6)") if inside else None)
 
-
 TAH_EFFECTS = tah_effects("tah", "in-context lookups, answers")
-STANDARD, ALWAYS = Arm("standard", "Standard"), Arm("always", "AlwaysThink")
-TAH_ORACLE = Arm("tah-oracle", "TaH, oracle routing (upper bound)")
-TAH_DECIDER = Arm("tah-decider", f"TaH, decider routing (threshold {TaHConfig.threshold})")  # the paper's 0.9
-# the TaH arms compared with Standard: (arm, which fine-tuned model, routing mode)
-TAH_ARMS = [(ALWAYS, "always", "always"), (TAH_ORACLE, "tah", "oracle"), (TAH_DECIDER, "tah", "decider")]
 
+STANDARD, ALWAYS = Arm("standard", "Standard"), Arm("always", "AlwaysThink")
+
+TAH_ORACLE = Arm("tah-oracle", "TaH, oracle routing (upper bound)")
+
+TAH_DECIDER = Arm("tah-decider", f"TaH, decider routing (threshold {TaHConfig.threshold})")  # the paper's 0.9
+
+TAH_ARMS = [(ALWAYS, "always", "always"), (TAH_ORACLE, "tah", "oracle"), (TAH_DECIDER, "tah", "decider")]
 
 def tah_config(preset, task, n_layer):
     """The TaH suites' model: the backbone's attention shape, dense, n_layer blocks, a narrow MLP,
@@ -264,7 +67,6 @@ def tah_config(preset, task, n_layer):
                                     ffn_hidden=preset.tah_ffn_hidden),
                      logit_topk=min(100, task.vocab_size), max_depth=2, lora_rank=8)
 
-
 @dataclass(frozen=True, kw_only=True)
 class TaHStages:
     """The stages of a TaH suite (trainer.Stage each), and the held-out batches of an evaluation."""
@@ -272,7 +74,6 @@ class TaHStages:
     sft: Stage  # each fine-tune from the base: Standard, AlwaysThink, TaH stage 1
     stage2: Stage  # TaH stage 2: the decider alone
     evals: int
-
 
 def tah_stages(preset, task):
     """The TaH suite's stages: the base model, the fine-tunes (each from the base on the same
@@ -283,14 +84,11 @@ def tah_stages(preset, task):
     return TaHStages(base=stage(p.tah_base_iters, p.tah_base_lr, 50), sft=stage(p.tah_sft_iters, p.tah_sft_lr, 10),
                      stage2=stage(p.decider_iters, p.decider_lr, 10), evals=p.tah_eval_batches)
 
-
 def standard_loss(model, x, y):
     return model(x, y, mode="standard").loss
 
-
 def always_loss(model, x, y):
     return model(x, y, mode="always").loss
-
 
 def tah_base(preset, ctx, seed, data, tag, cfg):
     """The "base" model every TaH arm starts from, pretrained on the task."""
@@ -299,13 +97,11 @@ def tah_base(preset, ctx, seed, data, tag, cfg):
     train(f"{tag}/base", base, standard_loss, data, tah_stages(preset, data).base, ctx=ctx, seed=seed)
     return base
 
-
 def from_base(base):
     """A copy of the base model, to fine-tune."""
     m = ThinkAtHard(base.cfg).to(next(base.parameters()).device)
     m.load_state_dict(base.state_dict())
     return m
-
 
 @dataclass(kw_only=True)
 class TaHTrained:
@@ -330,10 +126,18 @@ class TaHTrained:
 def tah_protocol(preset, ctx, seed, data):
     """TaH's protocol (§4.3, §5) at tiny scale: a base model pretrained on the task; from it, on the
     same batches: Standard (also the oracle's reference, as the paper's SFT model), AlwaysThink
-    (2 passes for every token), TaH stage 1 (oracle depths) and stage 2 (the decider alone)."""
+    (2 passes for every token), TaH stage 1 (oracle depths) and stage 2 (the decider alone); each
+    evaluated, with the probes of what the second pass does (tah_results)."""
     trained = train_tah_arms(preset, ctx, seed, data, "tah")
-    rows, trained.tokens = tah_routing_rows(TAH_EFFECTS, trained.models, trained.evaluate, seed)
-    return rows, trained
+    return tah_results(TAH_EFFECTS, trained, seed, keep_problem=True), trained
+
+
+def tah_results(effects, trained, seed, arms=TAH_ARMS, evaluate=None, keep_problem=False):
+    """A TaH suite's rows from what it trained: the routing rows of Standard and `arms`
+    (tah_routing_rows, each routing mode's outcomes kept in trained.tokens), the diagnostics and
+    the probes (tah_probes). evaluate: the held-out evaluation (default: trained.evaluate)."""
+    rows, trained.tokens = tah_routing_rows(effects, trained.models, evaluate or trained.evaluate, seed, arms)
+    return tah_probes(rows, trained, effects, seed, keep_problem)
 
 
 def train_tah_arms(preset, ctx, seed, data, tag, n_layer=None):
@@ -348,7 +152,6 @@ def train_tah_arms(preset, ctx, seed, data, tag, n_layer=None):
     train_tah(f"{tag}/TaH", models["tah"], oracle, data, stages, ctx, seed)
     return TaHTrained(base=base, models=models, oracle=oracle, stages=stages, data=data, ctx=ctx)
 
-
 def train_tah(name, model, oracle, data, stages, ctx, seed):
     """TaH's two stages (§4.3) from the base: stage 1 (backbone and LoRA, the oracle's depths),
     then stage 2 (the decider alone)."""
@@ -356,7 +159,6 @@ def train_tah(name, model, oracle, data, stages, ctx, seed):
     model.requires_grad_(False).decider.requires_grad_(True)  # stage 2: only the decider learns
     train(f"{name} stage 2 (decider)", model, lambda m, x, y: stage2_loss(m, x, oracle(x, y))[0],
           data, stages.stage2, ctx=ctx, seed=seed, first_batch=stages.base.steps + stages.sft.steps)
-
 
 class OracleLoss:
     """TaH stage 1's loss on the oracle's depths (TaH Eq. 7)."""
@@ -366,7 +168,6 @@ class OracleLoss:
 
     def __call__(self, model, x, y):
         return stage1_loss(model, x, y, self.oracle(x, y))
-
 
 class Oracle:
     """Oracle depths (TaH Eq. 7): 2 passes iff the frozen reference's top-1 misses the target and
@@ -379,13 +180,11 @@ class Oracle:
     def __call__(self, x, y):
         return oracle_depths(self.ref(x, mode="standard").logits, y, self.max_depth, self.task.response(x))
 
-
 def eval_batches(data, stages, ctx):
     """The held-out batches every TaH evaluation reads, of the base stage's shape, on the device."""
     for k in range(stages.evals):
         x, y = data.batch(ctx.eval_split, stages.base.batch, stages.base.block, batch_gen(ctx.eval_seed, k, ctx.eval_split))
         yield x.to(ctx.device), y.to(ctx.device)
-
 
 @torch.no_grad()
 def tah_eval(model, mode, trained, threshold=None, depths=None):
@@ -424,7 +223,7 @@ def tah_eval(model, mode, trained, threshold=None, depths=None):
 def tah_routing_rows(effects, models, evaluate, seed, arms=TAH_ARMS):
     """A TaH suite's rows: Standard, then each of `arms` with its revisions against Standard (the
     decider also: its share of AlwaysThink's gain), the threshold sweep; and each arm's routing
-    mode's per-token outcomes (for the diagnostics, lab/inside.py)."""
+    mode's per-token outcomes (for the diagnostics, below)."""
     std_metrics, std_tokens = evaluate(models["standard"], "standard")
     rows, sweep, outcomes = result_rows(effects.routing, STANDARD, seed, std_metrics), {"standard": std_metrics}, {}
     for arm, which, mode in [a for a in arms if a[1] in models]:
@@ -471,9 +270,140 @@ def tah_claims(effects, task):
     ]
 
 
-TAH_CLAIMS = tah_claims(TAH_EFFECTS, "TaH, lookups")
+# -----------------------------------------------------------------------------
+# The probes: the diagnostics (TaH Table 10), what the second pass changes (Fig. 5), one problem traced (Fig. 7)
+
+
+OUTCOMES = ("wrong -> right", "right -> wrong", "wrong -> wrong", "right -> right")
+
+def iteration_outcomes(before, after, target, went, kind):
+    """Per value of `kind`, for the positions that `went` on: counts of each outcome of their top-1
+    against the target, `before` and `after` the next pass."""
+    out = {}
+    for k in kind[went].unique().tolist():
+        sel = went & (kind == k)
+        b, a = before[sel] == target[sel], after[sel] == target[sel]
+        out[k] = dict(zip(OUTCOMES, (int((~b & a).sum()), int((b & ~a).sum()), int((~b & ~a).sum()),
+                                     int((b & a).sum()))))
+    return out
+
+@torch.no_grad()
+def tah_trace(model, idx, threshold=None):
+    """One decider-routed forward of idx (1, T) kept for drawing (TaH Figs. 5, 7): per token its
+    passes, p(go on) after pass 1, top-1 after the first and last pass; and the last layer's
+    second-pass attention (mean over heads) over every (position, depth) key."""
+    cache = DepthKV(model.cfg.n_layer, 1, idx.device)
+    with recording_attention(model) as calls:
+        out = model(idx, mode="decider", cache=cache, threshold=threshold)
+    trace = dict(passes=out.depths[0], go=torch.sigmoid(out.passes[0].score[0]),
+                 first=out.first_logits[0].argmax(-1), final=out.logits[0].argmax(-1))
+    if len(out.passes) > 1:  # someone went on: depth 1's queries are out.passes[1].sel
+        p, n_layer = out.passes[1], model.cfg.n_layer
+        w = calls[2 * n_layer - 1][0].mean(0)  # (Tq, Tk), the last layer of pass 2
+        pos, depth, keys = (t[0, :cache.len] for t in cache.lookups)
+        trace.update(query_pos=p.sel[0][p.valid[0]], weights=w[p.valid[0]][:, keys],
+                     key_pos=pos[keys], key_depth=depth[keys])
+    return trace
+
+KINDS = {0: Arm("other", "other tokens (target: the next token)"), 1: Arm("one-hop", "one-hop queries"),
+         2: Arm("two-hop", "two-hop queries"), 3: Arm("three-hop", "three-hop queries")}
+
+QUERIES, FIXES, SENT = Arm("queries", "every query token"), "corrected - corrupted", "share of the kind sent on"
+
+@torch.no_grad()
+def tah_rows(model, batches, data, seed, effect, threshold=None):
+    """The tokens the decider sends on: top-1 after the first and the last pass against the next
+    token, by query kind (TaH Fig. 5), and each kind's share sent on (per problem: all queries'),
+    over the held-out `batches`."""
+    model.eval()
+    counts, totals, queries = {}, {}, [0, 0]  # queries: sent on, all
+    for x, y in batches:
+        out = model(x, mode="decider", threshold=threshold)
+        nxt = torch.cat([x[:, 1:], y[:, -1:]], 1)  # the next token; the last position's only if it is a target
+        kind = data.hops(x)
+        for h, c in iteration_outcomes(out.first_logits.argmax(-1), out.logits.argmax(-1), nxt,
+                                       (out.depths > 1) & (nxt >= 0), kind).items():
+            counts[h] = {o: counts.get(h, {}).get(o, 0) + c[o] for o in OUTCOMES}
+        for h in kind[nxt >= 0].unique().tolist():
+            totals[h] = totals.get(h, 0) + int(((kind == h) & (nxt >= 0)).sum())
+        queries = [queries[0] + int((out.depths > 1)[kind > 0].sum()), queries[1] + int((kind > 0).sum())]
+    model.train()
+    rows = []
+    for h in sorted(totals):  # every kind in the data, sent on or not
+        c = counts.get(h, dict.fromkeys(OUTCOMES, 0))
+        rows += result_rows(effect, KINDS[h], seed, {**c, FIXES: c[OUTCOMES[0]] - c[OUTCOMES[1]],
+                                                     SENT: sum(c.values()) / totals[h]})
+    if data.per_problem:  # one token kind for every query: how often the decider sends it on
+        rows += result_rows(effect, QUERIES, seed, {SENT: queries[0] / max(queries[1], 1)})
+    return rows
+
+def tah_diagnostics(effects, mode, tokens, seed):
+    """Oracle: pass 1 alone against the sum. Decider: the easy answers it sends on (overthinking)."""
+    share = lambda m: m.float().mean().item() if m.numel() else float("nan")
+    if mode == "oracle":
+        h = tokens["hard"]
+        return result_rows(effects.diagnostics, Arm("oracle", "TaH under the oracle"), seed, {
+            "hard share of answers": share(h), "pass-1 acc, easy answers": share(tokens["first_ok"][~h]),
+            "pass-1 acc, hard answers": share(tokens["first_ok"][h]), "summed acc, hard answers": share(tokens["ok"][h])})
+    if mode == "decider":
+        sent = tokens["went"] & ~tokens["hard"]  # easy answers the decider sent on
+        return result_rows(effects.diagnostics, Arm("decider", "TaH under the decider"), seed, {
+            "easy answers sent on": share(sent), "of those, right after pass 1": share(tokens["first_ok"][sent]),
+            "of those, right after pass 2": share(tokens["ok"][sent])})
+    return []
+
+
+def tah_probes(rows, trained, effects, seed, keep_problem=False):
+    """`rows` (a TaH protocol's, from what it trained: TaHTrained) with the probes' rows:
+    the diagnostics of each routing mode it evaluated, right after the routing rows (where the
+    report shows them), and on lookups what the second pass does (TaH Figs. 5, 7); keep_problem:
+    the first seed's two-hop problem kept with the run too (the headline suite's)."""
+    diagnostics = [r for mode, tokens in trained.tokens.items() for r in tah_diagnostics(effects, mode, tokens, seed)]
+    at = max((i + 1 for i, r in enumerate(rows) if r["effect_id"] == effects.routing.id), default=len(rows))
+    rows = rows[:at] + diagnostics + rows[at:]
+    if effects.inside is not None:
+        rows += tah_rows(trained.models["tah"], trained.batches(), trained.data, seed, effects.inside)
+        if keep_problem and seed == trained.ctx.seeds[0]:
+            keep_tah_problem(trained.ctx, trained.models["tah"], next(trained.batches())[0], trained.data)
+    return rows
+
+
+def inside_claims(effect, task):
+    """What the probes say on one task's lookups."""
+    return [Claim(f"{task}: among the two-hop answers sent on, the second pass corrects more than it corrupts",
+                  effect, KINDS[2], baseline=0, metric=FIXES, sign=+1)]
+
+
+def keep_tah_problem(ctx, model, x, data):
+    """The first problem of the held-out batch x with a two-hop query through the decider (TaH Figs.
+    5, 7), kept with the run as tah_problem.md (a row per token) and tah_problem.png."""
+    L = data.problem_len
+    problems = x[:, :x.size(1) // L * L].reshape(-1, L)
+    idx = problems[(data.hops(problems) == 2).any(1).nonzero()[0, 0]][None]
+    model.eval()
+    trace = tah_trace(model, idx)
+    model.train()
+    names = [data.describe(t) for t in idx[0].tolist()]
+    keep(ctx, "tah_problem.md", trace_table(trace, names, data.describe),
+         picture=dict(trace=trace, names=names, threshold=model.cfg.threshold, describe=data.describe))
+
+
+def trace_table(trace, names, describe):
+    """One TaH forward (tah_trace), a row per token: passes, p(go on), top-1 after pass 1
+    and after the last."""
+    lines = ["| position | token | next | passes | p(go on) after pass 1 | top-1 after pass 1 | top-1 after the last |",
+             "|---|---|---|---|---|---|---|"]
+    for i, name in enumerate(names):
+        nxt = cell(names[i + 1]) if i + 1 < len(names) else ""
+        lines.append(f"| {i} | {cell(name)} | {nxt} | {trace['passes'][i].item()} | {trace['go'][i].item():.3f} | "
+                     f"{cell(describe(trace['first'][i].item()))} | {cell(describe(trace['final'][i].item()))} |")
+    return "\n".join(lines)
+
+
+KEPT = {"tah_problem.md": "TaH inside: one held-out lookup problem through the decider (TaH Figs. 5 and 7)"}
+TAH_CLAIMS = tah_claims(TAH_EFFECTS, "TaH, lookups") + inside_claims(TAH_EFFECTS.inside, "TaH, lookups")
 
 
 if __name__ == "__main__":
     from checks import not_a_script
-    not_a_script("protocols.py", "python train_tiny.py")
+    not_a_script("tah_experiment.py", "python train_tiny.py --suite tah")
