@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 from generate import TaHCache, compiled_step, generate_tah, graphed_step, lora_merged, make_caches
-from hd import HDConfig, HiddenDecoding, expand_streams, fold, full, intra, local, unfold
+from hd import HDConfig, HiddenDecoding, expand_streams, fold, full, intra, letter, local, unfold
 from lab.compute import Looped, ParScale
 from moe import GATHER_ROWS, MoE, ModelConfig, attend, attend_folded, dense_mask, dispatch as moe_dispatch
 from tah import LoRALinear, TaHConfig, ThinkAtHard, stage1_loss
@@ -399,7 +399,7 @@ def hd_serving(prompts, batches, device, repeats, steps, n=4, width=64, graph=Fa
         caches = make_caches(model)  # what decoding keeps: an L layer's ring holds its window, whatever T
         rings = sum(hasattr(c, "window") for c in caches)
         kept = streams * (len(caches) - rings)  # every stream's row (an I layer's as batch rows)
-        needed = sum(streams for c in layout if c != "L")  # L layers need only their last `window` rows
+        needed = sum(streams for c in layout if letter(c).reach(cfg.window) is None)  # L: only the last `window` rows
         kv_rows.append([name, f"{kept * per_row}" + (f" + {rings} ring(s) of {model.cfg.window} rows" if rings else ""),
                         f"{needed * per_row}" + (" + window" if rings else ""), f"{qk_pairs(streams, layout, T, cfg.window):,}"])
     base = int(kv_rows[0][3].replace(",", ""))
@@ -414,7 +414,7 @@ def hd_serving(prompts, batches, device, repeats, steps, n=4, width=64, graph=Fa
 def qk_pairs(n, layout, S, window):
     """Query-key pairs a decoded token's n rows score after S tokens, over the layers: an F layer
     reads every row (n * S), an I layer its stream's S, an L layer its window (the ring)."""
-    return sum(n * {"F": n * S, "I": S, "L": min(window, n * S)}[c] for c in layout)
+    return sum(n * letter(c).keys(n, window, n * S - 1) for c in layout)  # the keys of the token's last row
 
 
 def prompts_to(block, steps):

@@ -74,8 +74,8 @@ MODEL = {
 
 HD = {**MODEL,
       "n_streams": [count()],
-      "layout": [rule(lambda v, c: isinstance(v, str) and len(v) == c.n_layer and not set(v) - set("FLI"),
-                      "a string of F, L or I, one letter per layer ({c.n_layer})")],
+      "layout": [rule(lambda v, c: isinstance(v, str) and len(v) == c.n_layer and not set(v) - set(c.letters),
+                      "a string of the letters {c.letters} (hd.LETTERS), one letter per layer ({c.n_layer})")],
       "window": [count()],
       "positions": [one_of("expanded", "token")],
       "objective": [one_of("final", "all", "sum")],

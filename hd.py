@@ -26,6 +26,7 @@ tiny model's loss and KV-mirror skip.
 """
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -84,6 +85,11 @@ class HDConfig(ModelConfig):
         """mirror_skip, or where it is None, whether it is exact (resolved here, never written back)."""
         return self.mirror_skip_exact if self.mirror_skip is None else self.mirror_skip
 
+    @property
+    def letters(self):
+        """The letters a layout may hold: LETTERS' (below), which checks.py reads."""
+        return "".join(LETTERS)
+
 
 # -----------------------------------------------------------------------------
 # The masks: one mask_mod each (HD §2.2). q_idx, kv_idx are expanded indices t.
@@ -113,14 +119,48 @@ def shared_intra(n):
     return shared_intra_mask
 
 
+def local_pairs(n, window, T, final_only):
+    """An L layer's (query, key) pairs over T tokens: min(r + 1, window) summed over the query rows
+    r, every row or the final stream's (r + 1 = n (t + 1): the first min(T, window // n) inside)."""
+    if final_only:
+        m = min(T, window // n)
+        return n * m * (m + 1) // 2 + (T - m) * window
+    N = n * T
+    return N * (N + 1) // 2 if N <= window else window * (window + 1) // 2 + (N - window) * window
+
+
+class Letter(NamedTuple):
+    """One letter of a layout (HD §2.2): its mask_mod; how far back its keys reach (what a layer's
+    cache keeps: None, every row); the keys query row r (an expanded index) sees; and those keys
+    summed over T tokens' query rows, every row or the final stream's, in closed form."""
+    mask: object  # (n, window, shared_kv) -> mask_mod
+    reach: object  # window -> rows back, or None
+    keys: object  # (n, window, r) -> keys
+    pairs: object  # (n, window, T, final_only) -> (query, key) pairs
+
+
+LETTERS = {  # the one table of the letters: the config's check, the cache, the FLOPs count and bench read it
+    "F": Letter(mask=lambda n, window, shared_kv: full, reach=lambda window: None, keys=lambda n, window, r: r + 1,
+                pairs=lambda n, window, T, final_only: n * T * (T + 1) // 2 if final_only else
+                n * T * (n * T + 1) // 2),
+    "L": Letter(mask=lambda n, window, shared_kv: local(window), reach=lambda window: window,
+                keys=lambda n, window, r: min(r + 1, window), pairs=local_pairs),
+    "I": Letter(mask=lambda n, window, shared_kv: shared_intra(n) if shared_kv else intra(n), reach=lambda window: None,
+                keys=lambda n, window, r: r // n + 1,  # shared KV: its own row and stream 0's before it, as many
+                pairs=lambda n, window, T, final_only: T * (T + 1) // 2 * (1 if final_only else n)),
+}
+
+
+def letter(kind):
+    """The table's row of a layout letter, or one line refusing a letter it does not hold."""
+    if kind not in LETTERS:
+        raise ValueError(f"layout letter {kind!r} is none of {', '.join(LETTERS)}")
+    return LETTERS[kind]
+
+
 def layer_mask(cfg, i):
     """The mask_mod of layer i: its layout letter, and shared_kv for I layers."""
-    kind, n = cfg.layout[i], cfg.n_streams
-    if kind == "F":
-        return full
-    if kind == "L":
-        return local(cfg.window)
-    return shared_intra(n) if cfg.shared_kv else intra(n)
+    return letter(cfg.layout[i]).mask(cfg.n_streams, cfg.window, cfg.shared_kv)
 
 
 def on_final_rows(mask_mod, n):
@@ -200,8 +240,9 @@ class HiddenDecoding(nn.Module):
         return self.cfg.mirrored.start if self.cfg.mirror_skip_on else None
 
     def kv_window(self, i):
-        """How far back layer i's keys reach: an L layer's window (its cache keeps only those), else None."""
-        return self.cfg.window if self.cfg.layout[i] == "L" else None
+        """How far back layer i's keys reach (its letter's reach: an L layer's window, which its cache
+        keeps alone), or None: every row."""
+        return letter(self.cfg.layout[i]).reach(self.cfg.window)
 
     def kv_rows_per_token(self, i):
         """K/V rows layer i keeps per token in cached decoding: 1 where it attends within one

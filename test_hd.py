@@ -18,13 +18,13 @@ import moe
 from checks import FLEX_MIN_HEAD_DIM, check_flex
 from conftest import COMPILE_MODELS, CUDA, F64, FAST, compile_model, cuda, examples, f64_batch, gradcheck_wrt
 from generate import KVCache, WindowCache, generate, make_caches
-from hd import (HDConfig, HiddenDecoding, attention_path, expand_streams, fold, full, intra, local, shared_intra,
+from hd import (LETTERS, HDConfig, HiddenDecoding, attention_path, expand_streams, fold, full, intra, local, shared_intra,
                 unfold)
 from moe import LayerPlan, ModelConfig, Transformer, attend, dense_mask
 from tah import TaHConfig, ThinkAtHard
 
-MASK_OF = {"F": lambda n, w: full, "L": lambda n, w: local(w), "I": lambda n, w: intra(n),
-           "S": lambda n, w: shared_intra(n)}  # S: I with shared KV
+MASK_OF = {**{k: (lambda n, w, k=k: LETTERS[k].mask(n, w, False)) for k in LETTERS},
+           "S": lambda n, w: LETTERS["I"].mask(n, w, True)}  # the table's masks; S: I with shared KV
 
 
 def reference_allowed(kind, n, window, t, tp):
@@ -80,6 +80,40 @@ def test_mask_mods_equal_the_paper_definitions(kind, n, L, window):
     got = dense_mask(MASK_OF[kind](n, window), t, t)
     ref = torch.tensor([[reference_allowed(kind, n, window, q, kv) for kv in range(n * L)] for q in range(n * L)])
     assert torch.equal(got, ref)
+
+
+@FAST
+@given(kind=st.sampled_from("FLIS"), n=st.integers(1, 5), L=st.integers(1, 7), window=st.integers(1, 12))
+def test_the_letters_table_counts_what_each_mask_allows(kind, n, L, window):
+    """hd.LETTERS, read by the config's check, the caches, the FLOPs count and bench: each
+    letter's keys per query row and their sums over the rows (every row, or the final stream's)
+    equal the reference mask's counts, and its reach is the oldest key a late query sees."""
+    row = LETTERS["I" if kind == "S" else kind]
+    allowed = [[reference_allowed(kind, n, window, q, kv) for kv in range(n * L)] for q in range(n * L)]
+    assert [row.keys(n, window, q) for q in range(n * L)] == [sum(a) for a in allowed]
+    assert row.pairs(n, window, L, False) == sum(map(sum, allowed))
+    assert row.pairs(n, window, L, True) == sum(sum(allowed[q]) for q in range(n - 1, n * L, n))
+    late, reach = n * L - 1, row.reach(window)
+    oldest = next(kv for kv in range(n * L) if allowed[late][kv])  # the oldest key the last row sees
+    assert oldest // n == 0 if reach is None else late - oldest == min(reach, late + 1) - 1  # every token, or the window
+
+
+def test_a_letter_the_table_does_not_hold_is_refused_in_one_line_everywhere():
+    """The config (checks.py), the mask, the FLOPs count (lab/flops.py) and bench's attention work:
+    one ValueError naming the letter, never a count as if it were another."""
+    import bench
+    from hd import letter
+    from lab import flops
+    with pytest.raises(ValueError, match=r"layout must be a string of the letters FLI \(hd.LETTERS\)"):
+        hd_cfg(layout="IXI")
+    with pytest.raises(ValueError, match="layout letter 'X' is none of F, L, I"):
+        letter("X")
+    with pytest.raises(ValueError, match="layout letter 'X' is none of F, L, I"):
+        bench.qk_pairs(2, "IXF", 8, 3)
+    cfg = hd_cfg(layout="IFL")
+    object.__setattr__(cfg, "layout", "IXL")  # past the config's check
+    with pytest.raises(ValueError, match="layout letter 'X' is none of F, L, I"):
+        flops.pairs(cfg, 1, 2, 8, False)
 
 
 @FAST

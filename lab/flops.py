@@ -29,7 +29,7 @@ if __name__ == "__main__":  # no script: one line saying what to run (first: by 
 
 import torch
 
-from hd import attention_path
+from hd import attention_path, letter
 from moe import Transformer
 
 KV = ("attn.k_proj", "attn.v_proj")  # the weights a layer runs on its key rows
@@ -95,20 +95,9 @@ def weights(block, cfg, q_rows, kv_rows, lora_rows=0):
 
 
 def pairs(cfg, i, n, T, final_only):
-    """(query, key) pairs layer i's mask allows over T tokens of n streams, by its letter: a sum
-    over the query rows r (all n T, or the final stream's r = n t + n - 1), in closed form."""
-    kind = cfg.layout[i] if hasattr(cfg, "layout") else "F"
-    N, w = n * T, getattr(cfg, "window", 0)
-    if kind == "F":  # sum of r + 1: every row up to r
-        return n * T * (T + 1) // 2 if final_only else N * (N + 1) // 2
-    if kind == "L":  # sum of min(r + 1, window)
-        if final_only:  # r + 1 = n (t + 1): the first m = min(T, w // n) rows inside the window
-            m = min(T, w // n)
-            return n * m * (m + 1) // 2 + (T - m) * w
-        return N * (N + 1) // 2 if N <= w else w * (w + 1) // 2 + (N - w) * w
-    if kind == "I":  # sum of r // n + 1: the stream's own rows up to r (shared-KV: its row + stream 0's before)
-        return T * (T + 1) // 2 * (1 if final_only else n)
-    raise ValueError(f"flops: layer {i}'s mask letter {kind!r} is none of F, L, I")
+    """(query, key) pairs layer i's mask allows over T tokens of n streams, by its letter (hd.LETTERS:
+    a closed form each; a model without a layout attends causally, as F)."""
+    return letter(cfg.layout[i] if hasattr(cfg, "layout") else "F").pairs(n, getattr(cfg, "window", 0), T, final_only)
 
 
 def tah_forward(body, cfg, T, passes):

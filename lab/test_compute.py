@@ -301,7 +301,7 @@ def test_flops_refuse_what_they_cannot_count_in_one_line_at_once():
     odd = HDConfig(vocab_size=8, block_size=8, n_layer=1, n_embd=8, n_head=1, n_kv_head=1, head_dim=8, n_experts=0,
                    ffn_hidden=8, layout="F", kv_mirror=False)
     object.__setattr__(odd, "layout", "X")  # past the config's own check: the count still refuses it
-    with pytest.raises(ValueError, match="mask letter 'X' is none of F, L, I"):
+    with pytest.raises(ValueError, match="layout letter 'X' is none of F, L, I"):
         flops.pairs(odd, 0, 2, 4, False)
 
 
