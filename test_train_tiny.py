@@ -533,7 +533,7 @@ def test_sample_prints_text_from_the_hd_model_and_a_problem_answered_by_tah(tmp_
 
 def test_sample_refuses_a_folder_it_cannot_use_in_one_line_naming_the_file(tmp_path, monkeypatch):
     """After a run, each file spoiled in turn (and restored): a checkpoint of another preset (its
-    checksum valid), a folder, unreadable, far larger than a run writes, another arm's (TaH's stage
+    checksum valid), one without the config that rebuilds its model or with one its checks refuse, a folder, unreadable, far larger than a run writes, another arm's (TaH's stage
     1 in the decider's place), a FIFO (never opened: it would block); results.json too large or a
     FIFO; the --data file the run names gone. Each: one line naming the file, before any model runs."""
     import sample
@@ -556,6 +556,10 @@ def test_sample_refuses_a_folder_it_cannot_use_in_one_line_naming_the_file(tmp_p
         state["model"][k] = torch.zeros(*state["model"][k].shape[:-1], state["model"][k].shape[-1] + 1)
         write_checkpoint(ckpt, state)  # another preset's shapes, its checksum valid
         refused("does not fit the run's preset", ckpt)
+        for config in (None, {**state["config"], "n_layer": 0}):  # a checkpoint of no config, or one its checks refuse
+            write_checkpoint(ckpt, {k: v for k, v in state.items() if k != "config"} | ({"config": config} if config
+                                                                                       else {}))
+            refused("that rebuilds its model", ckpt)
         ckpt.unlink()
         ckpt.mkdir()
         refused("is a folder", ckpt)

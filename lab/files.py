@@ -15,6 +15,7 @@ import io
 import json
 import os
 import re
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -49,12 +50,13 @@ def checkpoint_path(ctx, name, seed):
 
 
 def save_checkpoint(ckpt, model, opts, done, losses, meta):
-    """The state after step `done` and what it belongs to (meta), after the sha256 of its bytes
-    (the trainer has checked that the weights are finite)."""
+    """The state after step `done`, what it belongs to (meta) and the config that rebuilds its model
+    (nanoGPT's model_args: sample.py reads it), after the sha256 of its bytes (the trainer has
+    checked that the weights are finite)."""
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     write_checkpoint(ckpt, {"model": model.state_dict(), "opts": [o.state_dict() for o in opts], "iter": done,
-                            "losses": losses, "meta": meta})
+                            "losses": losses, "meta": meta, "config": asdict(model.cfg)})
 
 
 def write_checkpoint(ckpt, state):
