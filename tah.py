@@ -246,7 +246,7 @@ class ThinkAtHard(nn.Module):
         sel, valid = torch.arange(T, device=idx.device).expand(B, T), torch.ones_like(idx, dtype=torch.bool)
         x = self.backbone.wte(idx)
         passes = []
-        run = self.pass_runner(cache)
+        run = pass_runner(self, cache)
         for d in range(cfg.max_depth):
             h, kept = run(self, x, start + sel, d, valid, cache, subset)
             kept[cfg.n_layer] = self.backbone.norm_f(h)  # the last state after the final norm, as the authors'
@@ -258,20 +258,13 @@ class ThinkAtHard(nn.Module):
             if d + 1 == cfg.max_depth:
                 break
             active = self.route(mode, depths, passes[-1], d, (B, T), threshold or cfg.threshold)
-            subset = self.batch_rows(active)
-            if subset is not None and subset.numel() == 0:
+            subset, rows, sel, valid = select(cfg, active)  # the tokens going on, gathered (the fast paths)
+            if rows.numel() == 0:
                 break  # no token goes on
-            rows = torch.arange(B, device=idx.device) if subset is None else subset
-            sel, valid = self.select(active if subset is None else active[subset])
             x = self.next_input(gather(summed, sel, rows))  # Eq. 4: the pass so far's top-k, embedded
         loss = None if targets is None else F.cross_entropy(upcast(summed.flatten(0, 1)), targets.flatten(),
                                                             ignore_index=-1)
         return TaHOutput(summed, loss, ran, passes[0].logits, passes)
-
-    def pass_runner(self, cache):
-        """How a pass runs: replayed as a CUDA graph where the cache holds one (generate.py's
-        StaticTaHCache), compiled after compile_passes(), else eagerly (run_pass)."""
-        return getattr(cache, "graphed", None) or (COMPILED_PASS if self.passes_compiled else ThinkAtHard.run_pass)
 
     def run_pass(self, x, q_pos, d, valid, cache, rows=None):
         """One pass of the backbone at depth d over the query rows x (B', Tq, C) at positions
@@ -284,14 +277,7 @@ class ThinkAtHard(nn.Module):
         lookups = [t[:, :cache.len] for t in cache.lookups]
         if rows is not None:
             lookups = [t.index_select(0, rows) for t in lookups]
-        mod = duo_causal(q_pos, q_depth, *lookups, cfg.attention)
-        Tk = cache.len
-        if cfg.attn_impl == "dense" and Tk == Tq:
-            mask = "causal"  # the first pass of a fresh cache (depth 0, every token in order): Eq. 5 is causal
-        elif cfg.attn_impl == "flex":
-            mask = create_block_mask(mod, B, None, Tq, Tk, device=x.device)
-        else:
-            mask = dense_batch_mask(mod, B, Tq, Tk, x.device)
+        mask = pass_mask(cfg, duo_causal(q_pos, q_depth, *lookups, cfg.attention), B, Tq, cache.len, x.device)
         kept = [x]  # hidden states as the authors index them: 0 the input, i + 1 block i's output
         rope = Positions(q_pos)  # every depth at its token's position (§4.1); the table made once a pass
         plans = [LayerPlan(rope, mask, cache.layers[i]) for i in range(cfg.n_layer)]
@@ -327,52 +313,20 @@ class ThinkAtHard(nn.Module):
         want = {"standard": 1, "always": self.cfg.max_depth, "oracle": depths}[mode]
         return torch.as_tensor(want, device=p.sel.device).expand(shape) > d + 1
 
-    def batch_rows(self, active):
-        """The batch rows a deeper pass runs: None = every row (gather=False, the reference, which
-        computes every token); else (gather=True) the rows with a token going on, (B',), possibly
-        none: in batched decoding the second pass runs only the rows whose token continues."""
-        if not self.cfg.gather:
-            return None if active.any() else active.new_zeros(0, dtype=torch.long)
-        rows = active.any(1).nonzero().squeeze(1)  # one wait for the device, as the dynamic shape needs
-        return None if rows.numel() == active.size(0) else rows
-
-    def select(self, active):
-        """The query rows of a deeper pass among the batch rows it runs: sel (B', Tq) token
-        indices, valid (B', Tq). With gather=True it left-packs each row's active tokens in
-        position order; with gather=False it runs every token and masks the inactive ones (the
-        reference)."""
-        if self.cfg.gather:
-            n_act = active.sum(1)
-            sel = torch.argsort((~active).int(), dim=1, stable=True)[:, :int(n_act.max())]
-            return sel, torch.arange(sel.size(1), device=sel.device) < n_act[:, None]
-        return torch.arange(active.size(1), device=active.device).expand_as(active), active
-
     def next_input(self, summed_logits):
         """Eq. 4 with the top-k only: softmax over the top-k logits, zero weight elsewhere, times
-        the embedding table. (A dense (.., V) @ (V, C) product: the same sum as gathering the k
-        rows, and cheaper than the (.., k, C) gather and its backward when k is near V.)"""
+        the embedding table (topk_weights: the weights over the whole vocabulary)."""
         E = self.backbone.wte.weight
-        if self.cfg.logit_topk >= E.size(0):  # the top-k is every logit: skip the (slow) sort
-            return F.softmax(upcast(summed_logits), dim=-1).to(E.dtype) @ E
-        vals, ids = torch.topk(upcast(summed_logits), self.cfg.logit_topk, dim=-1)
-        w = torch.zeros(*vals.shape[:-1], E.size(0), dtype=E.dtype, device=E.device)
-        return w.scatter(-1, ids, F.softmax(vals, dim=-1).to(E.dtype)) @ E
-
-    # -- switches ---------------------------------------------------------------------------
+        return topk_weights(summed_logits, self.cfg.logit_topk).to(E.dtype) @ E
 
     def set_lora(self, active):
         for m in self.loras:
             m.active = active
 
     def compile_passes(self, on=True):
-        """Each pass through COMPILED_PASS from now on (run_pass compiled, the cache's length a symbolic
-        size). The loop between passes stays eager: the tokens that go on (route, batch_rows, select)
-        and their logits' slots (accumulate) are shapes read off the decider's scores, a graph break each."""
+        """Each pass through COMPILED_PASS from now on (the fast paths, at the end of the file)."""
         self.passes_compiled = on
         return self
-
-
-COMPILED_PASS = torch.compile(ThinkAtHard.run_pass, fullgraph=True, dynamic=True)  # compiles at its first call
 
 
 # -----------------------------------------------------------------------------
@@ -502,6 +456,66 @@ def stage2_loss(model, idx, depths, pos_weight=None):
     # BCE-with-logits where only the continue term carries the weight: w c log s + (1 - c) log(1 - s)
     loss = -(weights * labels * F.logsigmoid(scores) + (1 - labels) * F.logsigmoid(-scores)).mean()
     return loss, scores, labels
+
+
+# -----------------------------------------------------------------------------
+# The fast paths: how a pass runs (a CUDA graph, compiled, eager), its mask's form, the gathered
+# tokens of a deeper pass, the next input's weights. Each equals the reference (test_tah.py).
+
+
+def pass_runner(model, cache):
+    """How a pass runs: replayed as a CUDA graph where the cache holds one (generate.py's
+    StaticTaHCache), compiled after model.compile_passes(), else eagerly (run_pass)."""
+    return getattr(cache, "graphed", None) or (COMPILED_PASS if model.passes_compiled else ThinkAtHard.run_pass)
+
+
+# run_pass compiled, the cache's length a symbolic size; compiles at its first call. The loop between passes
+# stays eager: the tokens that go on (route, select) and their logits' slots (accumulate) are shapes read
+# off the decider's scores, a graph break each.
+COMPILED_PASS = torch.compile(ThinkAtHard.run_pass, fullgraph=True, dynamic=True)
+
+
+def pass_mask(cfg, mod, B, Tq, Tk, device):
+    """A pass's duo-causal mask_mod in the form attention takes: "causal" for the first pass of a
+    fresh cache (depth 0, every token in order: Eq. 5 is causal there), a flex BlockMask (attn_impl
+    "flex"), else the dense boolean mask (the reference)."""
+    if cfg.attn_impl == "dense" and Tk == Tq:
+        return "causal"
+    if cfg.attn_impl == "flex":
+        return create_block_mask(mod, B, None, Tq, Tk, device=device)
+    return dense_batch_mask(mod, B, Tq, Tk, device)
+
+
+def select(cfg, active):
+    """Which tokens run a deeper pass, from active (B, T): (subset, rows, sel, valid). subset: the
+    batch rows it runs, None for every row; rows: those rows' indices (empty: no token goes on);
+    sel (B', Tq) their query tokens, valid (B', Tq). gather=True: only the rows with a token
+    going on (in batched decoding the second pass runs only those), each row's active tokens
+    left-packed in position order; gather=False (the reference): every token, the inactive masked."""
+    B, T = active.shape
+    every = torch.arange(B, device=active.device)
+    if not cfg.gather:
+        return (None, every, torch.arange(T, device=active.device).expand_as(active), active) if active.any() \
+            else (None, every[:0], None, None)
+    subset = active.any(1).nonzero().squeeze(1)  # one wait for the device, as the dynamic shape needs
+    if subset.numel() == 0:
+        return subset, subset, None, None
+    rows, subset = subset, None if subset.numel() == B else subset
+    active = active if subset is None else active[subset]
+    n_act = active.sum(1)
+    sel = torch.argsort((~active).int(), dim=1, stable=True)[:, :int(n_act.max())]
+    return subset, rows, sel, torch.arange(sel.size(1), device=sel.device) < n_act[:, None]
+
+
+def topk_weights(logits, k):
+    """Eq. 4's weights: softmax over the top-k of logits (.., V), zero elsewhere, as a dense
+    (.., V) row: multiplied by the embedding table, the same sum as gathering the k rows, and
+    cheaper than the (.., k, C) gather and its backward when k is near V; at k = V, no sort."""
+    logits = upcast(logits)
+    if k >= logits.size(-1):
+        return F.softmax(logits, dim=-1)
+    vals, ids = torch.topk(logits, k, dim=-1)
+    return torch.zeros_like(logits).scatter(-1, ids, F.softmax(vals, dim=-1))
 
 
 # -----------------------------------------------------------------------------

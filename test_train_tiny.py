@@ -1,7 +1,8 @@
 """The experiment's specification (train_tiny.py, experiment.py, hd_experiment.py, tah_experiment.py,
 trainer.py, tasks.py): the data round-trips and the tasks are what they say, the loop's cut of a batch
 and its resume are exact, the protocols continue from one checkpoint on the same batches and label as
-the paper says, the one verdict rule, and the probes give what is known of a model built to know it. The machinery around them (flags, processes, files) is specified in lab/test_runner.py."""
+the paper says, the one verdict rule, and the probes give what is known of a model built to know it.
+The machinery around them (flags, processes, files) is specified in lab/test_runner.py."""
 
 import copy
 import json
@@ -533,8 +534,9 @@ def test_sample_prints_text_from_the_hd_model_and_a_problem_answered_by_tah(tmp_
 
 def test_sample_refuses_a_folder_it_cannot_use_in_one_line_naming_the_file(tmp_path, monkeypatch):
     """After a run, each file spoiled in turn (and restored): a checkpoint of another preset (its
-    checksum valid), one without the config that rebuilds its model or with one its checks refuse, a folder, unreadable, far larger than a run writes, another arm's (TaH's stage
-    1 in the decider's place), a FIFO (never opened: it would block); results.json too large or a
+    checksum valid), one without the config that rebuilds its model or with one its checks refuse,
+    a folder, unreadable, far larger than a run writes, another arm's (TaH's stage 1 in the
+    decider's place), a FIFO (never opened: it would block); results.json too large or a
     FIFO; the --data file the run names gone. Each: one line naming the file, before any model runs."""
     import sample
     from lab.files import load_checkpoint, write_checkpoint
