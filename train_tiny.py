@@ -106,9 +106,10 @@ PRESETS = {
 # The experiment: for each suite, for each seed, its arms trained and evaluated; then the verdicts
 
 
-SUITES = ["hd", "tah", "tah-hidden", "tah-add", "moe", "hd-progressive", "tah3", "hd-compute"]  # the report's order
+SUITES = ["hd", "tah", "tah-hidden", "tah-add", "moe", "hd-progressive", "tah3", "hd-compute-lr",
+          "hd-compute"]  # the report's order
 HEADLINE = ["hd", "tah"]  # a plain run; --suite all (and --smoke) runs every suite with its extra arms
-TEXT = ["hd", "moe", "hd-progressive", "hd-compute"]  # the suites that train on the text (Shakespeare, or --data)
+TEXT = ["hd", "moe", "hd-progressive", "hd-compute-lr", "hd-compute"]  # the suites on the text (Shakespeare, or --data)
 
 
 def main(argv=None):
@@ -202,6 +203,9 @@ def write_report(flags, ctx, rows, seconds, stopped=None):
         drawn.append(figures.plot_tah_tradeoff(summary, flags.out, eval_set))
     if "tah" in flags.suites:
         drawn.append(figures.copy_tah_problem(ctx.run_dir, flags.out))
+    if "hd-compute-lr" in flags.suites:  # the search's choice, which lab/compute.py's RATES holds
+        from lab import compute
+        log(f"hd-compute-lr chose (rate, added) per way: {compute.search_choice(rows)} (RATES: {compute.RATES})")
     if "hd-compute" in flags.suites:  # loss against training FLOPs (--suite hd-compute, or all)
         from lab import compute
         drawn.append(compute.plot(summary, flags.out, flags.preset.hd_ns))

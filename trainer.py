@@ -45,13 +45,16 @@ class Context:
 @dataclass(frozen=True)
 class Stage:
     """One stage: steps, peak learning rate, warm-up steps (then cosine to a tenth), and the global
-    batch of `batch` sequences of `block` tokens."""
+    batch of `batch` sequences of `block` tokens. `scaled`: the names of parameters that train at
+    `scale` x the rate (the ones an arm adds to the model it grows from; none by default)."""
     steps: int
     lr: float
     _: KW_ONLY
     warmup: int
     batch: int
     block: int
+    scaled: tuple = ()
+    scale: float = 1.0
 
 
 def rank_world():
@@ -80,19 +83,26 @@ def backbone_of(model):
     return model if isinstance(model, Transformer) else model.backbone
 
 
-def make_optimizer(model, lr, muon):
-    params = [p for p in model.parameters() if p.requires_grad]
+def make_optimizer(model, lr, muon, scaled=(), scale=1.0):
+    """AdamW (weight decay on the matrices), or with `muon` Muon for the blocks' matrices and AdamW
+    for the rest; the parameters named in `scaled` in AdamW groups of their own at `scale` x lr
+    (a group's "scale", which lr_at's rate is multiplied by every step)."""
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if missing := [n for n in scaled if n not in named]:
+        raise ValueError(f"a stage scales parameters the model does not train: {missing[:3]}")
+    fast = set(scaled)
     if muon:  # Muon for 2-D weight matrices inside the blocks; AdamW for the rest (either may have none:
         # TaH's stage 2 trains only the decider, outside the blocks)
-        mats = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim == 2 and ".blocks." in f".{n}"]
+        mats = [p for n, p in named.items() if p.ndim == 2 and ".blocks." in f".{n}" and n not in fast]
         ids = {id(p) for p in mats}
-        rest = [p for p in params if id(p) not in ids]
+        rest = [{"params": [p for n, p in named.items() if id(p) not in ids and (n in fast) == f],
+                 "scale": scale if f else 1.0} for f in (False, True)]
+        rest = [g for g in rest if g["params"]]
         return ([torch.optim.Muon(mats, lr=lr, adjust_lr_fn="match_rms_adamw")] if mats else []) + \
             ([torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)] if rest else [])
-    decay = [p for p in params if p.ndim >= 2]
-    other = [p for p in params if p.ndim < 2]
-    return [torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                              lr=lr, betas=(0.9, 0.95), fused=True)]  # fused: one kernel per step
+    groups = [{"params": [p for n, p in named.items() if (n in fast) == f and (p.ndim >= 2) == d],
+               "weight_decay": 0.1 if d else 0.0, "scale": scale if f else 1.0} for f in (False, True) for d in (True, False)]
+    return [torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), fused=True)]  # fused: one kernel
 
 
 def lr_at(it, stage):
@@ -108,7 +118,7 @@ def train(name, model, loss_fn, data, stage, *, ctx, seed, on_step=None, first_b
     ctx.ckpt_every steps and resuming from a checkpoint. Returns the losses, one per step."""
     keep = ctx.checkpoints
     ckpt = keep and keep.checkpoint_path(ctx, name, seed)
-    opts = make_optimizer(model, stage.lr, ctx.muon)
+    opts = make_optimizer(model, stage.lr, ctx.muon, stage.scaled, stage.scale)
     meta = dict(arm=name, seed=seed, iters=stage.steps, run=ctx.run_key)
     start, losses = keep.resume(ckpt, model, opts, ctx.device, meta) if keep else (0, [])
     step = MicroSteps(model, loss_fn, ctx, stage=stage, label=f"{name} s{seed}")
@@ -121,7 +131,7 @@ def train(name, model, loss_fn, data, stage, *, ctx, seed, on_step=None, first_b
     for it in range(start, stage.steps):
         for o in opts:  # the learning rate of step it
             for g in o.param_groups:
-                g["lr"] = lr_at(it, stage)
+                g["lr"] = lr_at(it, stage) * g.get("scale", 1.0)
         if keep and it > start and it % ctx.ckpt_every == 0:  # the state after `it` steps
             finite_weights(model, meta, it)
             keep.save_checkpoint(ckpt, model, opts, it, losses, meta)

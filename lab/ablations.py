@@ -43,6 +43,8 @@ def train_seed(suite, preset, ctx, seed, data):
         return rows + (moe_mirror(preset, ctx, seed, data, bias_on) if ctx.ablations else [])
     if suite == "hd-compute":
         return compute.hd_compute(preset, ctx, seed, data)
+    if suite == "hd-compute-lr":  # each way's learning rates, on the dev split
+        return compute.hd_compute_lr(preset, ctx, seed, data)
     protocol = {"tah-hidden": tah_hidden, "hd-progressive": hd_progressive, "tah3": tah3_protocol}[suite]
     return protocol(preset, ctx, seed, data)
 

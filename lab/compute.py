@@ -48,7 +48,7 @@ from hd import HiddenDecoding, expand_streams, layer_mask
 from lab import figures, flops
 from lab.report import interval95
 from moe import BlockMask, dense_mask, upcast
-from trainer import evaluate, train
+from trainer import evaluate, log, train
 
 
 class Looped(nn.Module):
@@ -104,8 +104,9 @@ class Looped(nn.Module):
         return logits, loss
 
 
-PREFIX = 2  # ParScale's prefix rows per layer and copy (the paper: 48; here T = 64, see ParScale)
-SMOOTHING = 0.1  # ParScale's aggregation weights w <- (1 - e) w + e / P (the paper's e)
+PREFIX = 2  # ParScale's prefix rows per layer and copy (the released code's default: 48; here T = 64, see ParScale)
+SMOOTHING = 0.01  # ParScale's aggregation weights w <- (1 - e) w + e / P: e as the released model code's
+# configuration sets it (Qwen2ParScaleConfig's parscale_attn_smooth = 0.01, github.com/QwenLM/ParScale)
 
 
 class ParScale(nn.Module):
@@ -169,6 +170,7 @@ class ParScale(nn.Module):
         h = m.backbone.norm_f(m.backbone.run_blocks(m.embed(rows), plans)).view(P, B, T, -1)
         w = torch.softmax(upcast(self.aggregate(h.permute(1, 2, 0, 3).flatten(2))), dim=-1)  # (B, T, P)
         w = (1 - SMOOTHING) * w + SMOOTHING / P
+        self.mixed = w.detach()  # the last forward's weights (B, T, P): how far from 1 / P, in the report
         logits = m.backbone.lm_head((w.permute(2, 0, 1)[..., None] * h).sum(0).to(h.dtype))
         loss = None if targets is None else F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten(),
                                                             ignore_index=-1)
@@ -221,6 +223,7 @@ def streams_arm(n):
 STEPS = (0.5, 1.5, 2, 4)  # n = 1 continued for these multiples of the continuation's steps (1x: the control)
 EFFECTIVE = "effective compute"  # the FLOPs n = 1 needs to reach the arm's loss by more steps, over the arm's FLOPs
 EPOCHS = "epochs of the train split"  # the backbone's steps and the arm's, each a batch x block tokens
+BEYOND = "beyond the curve (+1: a lower bound, -1: an upper)"  # effective compute read as a bound
 LATE = Effect("hd-compute-late", f"HD's compute, late: the same from n = 1 after {max(STEPS):g}x the steps more (the "
               "early regime's longest arm), without the loop and ParScale",
               "HD grows n from a converged checkpoint (HD §2.3); this project's comparison")
@@ -264,8 +267,8 @@ def longest(stage):
 def regime(effect, start, done, *, preset, ctx, seed, data, others=()):
     """One regime's arms from the n = 1 model `start`, trained for `done` steps (the batches the
     arms read from): HD n for each of --hd_ns (n = 1, the control), n = 1 for each of STEPS x the
-    continuation's steps, and `others` [(arm, the model made from an n = 1 copy)]. Returns the
-    rows and the longest steps arm's model, as trained."""
+    continuation's steps, and `others` [(arm, the model made from an n = 1 copy)], each at its way's
+    rates (RATES). Returns the rows and the longest steps arm's model, as trained."""
     stage = hd_experiment.continuation(preset)
     arms = [(streams_arm(n), expand_streams(start, n), stage) for n in preset.hd_ns]
     arms += [(steps_arm(k), expand_streams(start, 1), replace(stage, steps=max(1, round(k * stage.steps))))
@@ -274,31 +277,148 @@ def regime(effect, start, done, *, preset, ctx, seed, data, others=()):
     rows, runs, last = [], {}, None
     for arm, model, arm_stage in arms:
         model = model.to(ctx.device)
+        arm_stage = at_rates(arm_stage, model, *rates(arm))
         train(f"{effect.id}/{arm.label}", model, lm_loss, data, arm_stage, ctx=ctx, seed=seed, first_batch=done)
         metrics = evaluate(model, data, preset, ctx)
         runs[arm] = (training_flops(model, arm_stage), metrics["loss"])
         seen = (done + arm_stage.steps) * arm_stage.batch * arm_stage.block / len(data.split["train"])
-        rows += result_rows(effect, arm, seed, {**metrics, FLOPS: runs[arm][0],
+        rows += result_rows(effect, arm, seed, {**metrics, FLOPS: runs[arm][0], **moved(model),
                                                 **({EPOCHS: seen} if arm.id.startswith("n1-steps") else {})})
         last = model if arm == steps_arm(max(STEPS)) else last
     curve = [runs[a] for a in runs if a == N1 or a.id.startswith("n1-steps")]
     for arm, (f, loss) in runs.items():
         if arm != N1 and not arm.id.startswith("n1-steps"):
-            rows += result_rows(effect, arm, seed, {EFFECTIVE: effective_compute(curve, loss, f)})
+            value, bound = effective_compute(curve, loss, f, bound=True)
+            rows += result_rows(effect, arm, seed, {EFFECTIVE: value, BEYOND: bound})
     return rows, last
 
 
-def effective_compute(curve, loss, spent):
+def effective_compute(curve, loss, spent, bound=False):
     """The FLOPs n = 1 needs to reach `loss` on `curve` [(FLOPs, loss)] (its more-steps arms, one
     seed), read linearly in log FLOPs between the first two neighbouring points that bracket it,
-    over the FLOPs the arm `spent`: > 1, its compute is worth more than as many FLOPs of more steps. nan beyond
-    the curve (a loss above all of its points or below all: not extrapolated)."""
+    over the FLOPs the arm `spent`: > 1, its compute is worth more than as many FLOPs of more
+    steps. Beyond the curve it is not extrapolated: nan, or with `bound` (value, which) the bound
+    the curve gives, which = +1 a lower bound (a loss below every point: at least the FLOPs of the
+    lowest), -1 an upper bound (above every point: at most the FLOPs of the highest), 0 a value."""
     points = sorted(curve)
     for (f0, l0), (f1, l1) in zip(points, points[1:]):
         if min(l0, l1) <= loss <= max(l0, l1):
             w = 0.0 if l0 == l1 else (l0 - loss) / (l0 - l1)
-            return math.exp(math.log(f0) + w * (math.log(f1) - math.log(f0))) / spent
-    return float("nan")
+            value = math.exp(math.log(f0) + w * (math.log(f1) - math.log(f0))) / spent
+            return (value, 0) if bound else value
+    if not bound:
+        return float("nan")
+    lowest, highest = min(points, key=lambda p: p[1]), max(points, key=lambda p: p[1])
+    return (lowest[0] / spent, 1) if loss < lowest[1] else (highest[0] / spent, -1)
+
+
+# -----------------------------------------------------------------------------
+# Each way's learning rates: one search for every way, on the dev split (--suite hd-compute-lr)
+
+
+LR_GRID = (0.5, 1, 2, 4)  # the continuation's peak rate, x the preset's (--hd_cont_lr)
+NEW_GRID = (1, 10, 30)  # the rate of the parameters a way adds to the n = 1 model, x the way's rate
+# The rates each way runs at, (x --hd_cont_lr, x that for the parameters it adds), as --suite hd-compute-lr
+# chose them on the dev split (search_choice; RESULTS, "What HD's compute buys"), fixed before the test split
+# was read. The steps arms run at the control's.
+RATES = {"n1": (1, 1), "n2": (1, 1), "n4": (1, 1), "looped2": (1, 1), "looped4": (1, 1), "parscale2": (1, 1),
+         "parscale4": (1, 1)}
+
+
+def way_of(arm):
+    """The way an arm spends its compute, RATES' key: "n1" (the control and its steps arms), "n<k>"
+    (HD), "looped<k>", "parscale<k>"."""
+    i = arm.id
+    return "n1" if i.startswith(("n1-steps", "n1-continued")) else i.removeprefix("n1-").removesuffix("-continued")
+
+
+def rates(arm):
+    """The rates RATES gives the arm's way; a way the search did not choose for (another --hd_ns)
+    runs at the preset's, and says so."""
+    if way_of(arm) not in RATES:
+        log(f"hd-compute: {arm.label} was not searched for (RATES): it runs at --hd_cont_lr, what it adds at 1x")
+    return RATES.get(way_of(arm), (1, 1))
+
+
+def added(model):
+    """The names of the parameters a way adds to the n = 1 model it grows from: HD's tables past
+    the first, the loop's gates, ParScale's prefixes and aggregation MLP."""
+    return tuple(n for n, _ in model.named_parameters()
+                 if n.startswith(("gates.", "prefix_", "aggregate.")) or n.startswith("tables.") and n != "tables.0.weight")
+
+
+def at_rates(stage, model, rate, new):
+    """`stage` at `rate` x its peak learning rate, the parameters `model` adds (added) at `new` x that."""
+    return replace(stage, lr=stage.lr * rate, scaled=added(model) if new != 1 else (), scale=new)
+
+
+MOVED = {"gates": "mean |gate|", "prefix_v": "prefix values' RMS", "mixed": "mixing weights' mean |w - 1/P|"}
+
+
+def moved(model):
+    """How far a peer moved from the n = 1 function it starts at (the gates and prefix values
+    start at 0, the mixing weights near 1/P): the loop's mean |gate|, ParScale's prefix values' RMS
+    and how far its mixing weights stand from uniform over the last evaluation batch."""
+    if isinstance(model, Looped) and model.gates is not None:
+        return {MOVED["gates"]: torch.cat([g.detach().abs() for g in model.gates]).mean().item()}
+    if isinstance(model, ParScale):
+        return {MOVED["prefix_v"]: model.prefix_v.detach().pow(2).mean().sqrt().item(),
+                MOVED["mixed"]: (model.mixed - 1 / model.copies).abs().mean().item()}
+    return {}
+
+
+HD_COMPUTE_LR = Effect("hd-compute-lr", "HD's compute: each way's learning rates, searched on the dev split",
+                       "this project's protocol: every way tuned by one rule on the dev split before the test split is "
+                       "read (a best shot for each)")
+DEV_LOSS = "dev loss"
+
+
+def searched_arm(way, rate, new):
+    return Arm(f"{way.id}-lr{rate:g}-new{new:g}", f"{way.label}, lr x{rate:g}, added x{new:g}")
+
+
+def hd_compute_lr(preset, ctx, seed, data):
+    """The search, one seed: from its n = 1 backbone (--suite hd-compute's), each way (the control,
+    and for each k of --hd_ns past 1 HD n = k, the gated loop x k, ParScale P = k) continued at each
+    rate of LR_GRID (what it adds at 1x); then, at the rate of its lowest dev loss in this seed, what
+    it adds at each rate of NEW_GRID. Every point's dev loss a row; search_choice picks from them."""
+    base = hd_experiment.hd_backbone(preset, ctx, seed, data, "hd-compute")
+    dev, stage, ks = replace(ctx, eval_split="dev"), hd_experiment.continuation(preset), preset.hd_ns[1:]
+    ways = [(N1, lambda m: m)] + [(streams_arm(k), lambda m, k=k: expand_streams(m, k)) for k in ks] + \
+        [(looped_arm(k), lambda m, k=k: Looped(m, k)) for k in ks] + [(parscale_arm(k), lambda m, k=k: ParScale(m, k))
+                                                                     for k in ks]
+    rows = []
+    for way, make in ways:
+        losses = {}
+        for rate, new in [(r, 1) for r in LR_GRID] + [(None, n) for n in NEW_GRID[1:]]:
+            model = make(expand_streams(base, 1)).to(ctx.device)
+            if rate is None:  # the second stage, at this seed's best rate
+                if not added(model):
+                    break
+                rate = min((loss, r) for (r, n), loss in losses.items() if n == 1)[1]
+            arm = searched_arm(way, rate, new)
+            try:
+                train(f"hd-compute-lr/{arm.label}", model, lm_loss, data, at_rates(stage, model, rate, new), ctx=ctx,
+                      seed=seed, first_batch=preset.hd_base_iters)
+                losses[rate, new] = evaluate(model, data, preset, dev)["loss"]
+            except SystemExit as e:  # a rate the way diverges at (a non-finite loss or weights): a point never chosen
+                log(f"hd-compute-lr/{arm.label} s{seed}: {e.code} (its point is inf)")
+                losses[rate, new] = float("inf")
+            rows += result_rows(HD_COMPUTE_LR, arm, seed, {DEV_LOSS: losses[rate, new]})
+    return rows
+
+
+def search_choice(rows):
+    """Each way's rates from the search's rows: (rate, new) of the lowest mean dev loss over the
+    seeds, among the points every seed ran (a point one seed's second stage alone ran is left out)."""
+    seeds = {r["seed"] for r in rows if r["effect_id"] == HD_COMPUTE_LR.id}
+    points = {}
+    for r in rows:
+        if r["effect_id"] == HD_COMPUTE_LR.id:
+            way, rate, new = r["arm_id"].rsplit("-", 2)
+            points.setdefault(way, {}).setdefault((float(rate[2:]), float(new[3:])), {})[r["seed"]] = r["value"]
+    return {way_of(Arm(way, "")): min((sum(v.values()) / len(v), point) for point, v in grid.items()
+                                      if set(v) == seeds)[1] for way, grid in points.items()}
 
 
 def check_arms(preset, *, vocab, max_steps, device, sharing):
@@ -321,11 +441,17 @@ def loss_claim(name, arm, baseline):
 
 
 def claims(ns):
-    """For each k of --hd_ns past 1, the largest first: HD n = k against the gated loop x k (the
-    same tokens and non-embedding weights; as run n = k spends less), against ParScale P = k (parallel copies
-    of the same backbone), and n = k's compute worth more than more steps (its effective compute
-    above 1); then, late, n = k against the control and its effective compute above 1."""
+    """For each k of --hd_ns past 1, the largest first: whether each peer moved (the gated loop x k
+    and ParScale P = k against the n = 1 control: a claim "n = k beats X" is read only where X's is
+    shown), HD n = k against the loop x k (the same tokens and non-embedding weights; as run n = k
+    spends less), against ParScale P = k (parallel copies of the same backbone), and n = k's compute
+    worth more than more steps (its effective compute above 1, a bound beyond the curve); then,
+    late, n = k against the control and its effective compute above 1."""
     return [c for k in reversed(ns[1:]) for c in (
+        loss_claim(f"HD compute: the loop x{k} moved: it beats the n=1 control (read before n={k} against it)",
+                   looped_arm(k), N1),
+        loss_claim(f"HD compute: ParScale P={k} moved: it beats the n=1 control (read before n={k} against it)",
+                   parscale_arm(k), N1),
         loss_claim(f"HD compute: n={k} beats n=1 looped x{k} (the same tokens and non-embedding weights)", streams_arm(k),
                    looped_arm(k)),
         loss_claim(f"HD compute: n={k} beats ParScale P={k} (the same backbone, {k} parallel copies)", streams_arm(k),

@@ -50,7 +50,7 @@ def check_preset(preset, *, device="cpu", suites=(), text_suites=(), world=1, ac
         if getattr(preset, batch_field) < world * accum:
             return f"--{batch_field} {getattr(preset, batch_field)} has fewer rows than {world} rank(s) x {accum} micro-step(s) " \
                    "(--accum)"
-    if "hd-compute" in suites:  # its arms beyond HD's: a longer stage, the looped model
+    if set(suites) & {"hd-compute", "hd-compute-lr"}:  # their arms beyond HD's: a longer stage, the looped model
         from lab import compute
         if problem := compute.check_arms(preset, vocab=TEXT_VOCAB, max_steps=MAX_STEPS, device=device, sharing=sharing):
             return problem

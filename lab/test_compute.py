@@ -109,7 +109,7 @@ class Ahead:
 def parscale_by_hand(ps, idx):
     """Each copy alone: the blocks in a plain loop, each layer's dense mask with the prefix's m
     columns in front (every query sees them), the copy's prefix rows ahead of its keys; then the
-    weights softmax(W2 silu(W1 [h_1 .. h_P] + b1) + b2), smoothed, and the head on the weighted sum."""
+    weights softmax(W2 silu(W1 [h_1 .. h_P] + b1) + b2), smoothed by 0.01, and the head on the weighted sum."""
     model, P, m = ps.model, ps.copies, ps.prefix
     body, t = model.backbone, torch.arange(idx.size(1))
     states = []
@@ -124,7 +124,7 @@ def parscale_by_hand(ps, idx):
         states.append(body.norm_f(y))
     a0, a2 = ps.aggregate[0], ps.aggregate[2]
     scores = torch.nn.functional.silu(torch.cat(states, -1) @ a0.weight.T + a0.bias) @ a2.weight.T + a2.bias
-    w = 0.9 * torch.softmax(scores, -1) + 0.1 / P
+    w = 0.99 * torch.softmax(scores, -1) + 0.01 / P  # the released code's smoothing, 0.01
     return body.lm_head(sum(w[..., p:p + 1] * states[p] for p in range(P)))
 
 
