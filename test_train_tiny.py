@@ -255,6 +255,25 @@ def test_an_uneven_cut_of_the_batch_gives_the_whole_batchs_loss_and_gradients(ac
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("muon", [False, True])
+def test_a_stages_scaled_parameters_train_at_their_multiple_of_the_rate(muon, tmp_path):
+    """Stage.scaled at scale 10: AdamW's first step moves each of those weights by about 10 x lr
+    (Adam's first update is lr x the gradient's sign, weight decay aside), every other weight by
+    about lr, with Muon's matrices too; a name the model does not train is refused."""
+    lr, name = 1e-4, "lm_head.weight"
+    P = trainer.Stage(steps=1, lr=lr, warmup=1, batch=4, block=16, scaled=(name,), scale=10.0)
+    model = tiny_backbone()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train("arm", model, experiment.lm_loss, Arith(2), P, ctx=trainer.Context(tmp_path, muon=muon), seed=0)
+    step = {n: (p.detach() - before[n]).abs() for n, p in model.named_parameters()}
+    moved = step[name][step[name] > 0]
+    assert moved.median().item() == pytest.approx(10 * lr, rel=0.05)
+    other = step["wte.weight"][step["wte.weight"] > 0]  # AdamW in both (embeddings are not Muon's)
+    assert other.median().item() == pytest.approx(lr, rel=0.05)
+    with pytest.raises(ValueError, match="scales parameters the model does not train"):
+        trainer.make_optimizer(model, lr, muon, ("no.such.weight",), 10.0)
+
+
 def test_resume_after_interruption_reproduces_the_uninterrupted_losses(tmp_path):
     P = trainer.Stage(steps=6, lr=3e-3, warmup=2, batch=4, block=16)
     data = Arith(2)

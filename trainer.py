@@ -39,7 +39,7 @@ class Context:
     ckpt_every: int = 50
     checkpoints: object = None  # a stage's save and resume (lab/files.py, given by lab/runner.py); None: none kept
     keep: object = None  # keep(ctx, name, text, picture): a first seed's analysis kept with the run (lab/files.py)
-    flops: object = None  # flops(model, T): a step's FLOPs per token (lab/flops.py's per_token), for the MFU on CUDA
+    flops: object = None  # flops(model, T, stage2=False): a step's FLOPs per token (lab/flops.py's per_token), CUDA's MFU
 
 
 @dataclass(frozen=True)
@@ -240,8 +240,11 @@ def log_step(label, done, stage, loss, dt, model, ctx):
     tok, dev = stage.batch * stage.block / dt, ctx.device
     mfu = ""
     if dev.startswith("cuda") and ctx.flops is not None:  # model FLOPs (as nanoGPT's estimate_mfu), vs 989 TFLOP/s bf16
-        one_pass = " (pass 1 alone)" if hasattr(model.cfg, "max_depth") else ""  # TaH: its passes vary by token
-        mfu = f" | mfu {ctx.flops(model, stage.block) * tok / 989e12:.2%}{one_pass}"
+        tah = hasattr(model.cfg, "max_depth")  # TaH: its passes vary by token; stage 2 trains the decider alone
+        stage2 = tah and not any(p.requires_grad for p in backbone_of(model).parameters())
+        per_token = ctx.flops(model, stage.block, stage2=True) if stage2 else ctx.flops(model, stage.block)
+        mfu = f" | mfu {per_token * tok / 989e12:.2%}" + (" (stage 2: the decider)" if stage2 else " (pass 1 alone)"
+                                                          if tah else "")
     if dev.startswith("cuda"):
         mfu += f" | peak memory {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB"
     log(f"[{label}] step {done}/{stage.steps} | loss {loss:.4f} | {dt * 1e3:.0f} ms/step | "

@@ -145,6 +145,7 @@ class ParScale(nn.Module):
         self.prefix_v = nn.Parameter(torch.zeros(shape))
         C = cfg.n_embd
         self.aggregate = nn.Sequential(nn.Linear(copies * C, C), nn.SiLU(), nn.Linear(C, copies))
+        self.mixed = None  # the last forward's mixing weights (B, T, P)
         for layer in (self.aggregate[0], self.aggregate[2]):
             nn.init.normal_(layer.weight, std=0.02)
             nn.init.zeros_(layer.bias)
@@ -362,8 +363,8 @@ def moved(model):
     if isinstance(model, Looped) and model.gates is not None:
         return {MOVED["gates"]: torch.cat([g.detach().abs() for g in model.gates]).mean().item()}
     if isinstance(model, ParScale):
-        return {MOVED["prefix_v"]: model.prefix_v.detach().pow(2).mean().sqrt().item(),
-                MOVED["mixed"]: (model.mixed - 1 / model.copies).abs().mean().item()}
+        mixed = {} if model.mixed is None else {MOVED["mixed"]: (model.mixed - 1 / model.copies).abs().mean().item()}
+        return {MOVED["prefix_v"]: model.prefix_v.detach().pow(2).mean().sqrt().item(), **mixed}
     return {}
 
 
@@ -474,31 +475,43 @@ def ways(ns):
 
 
 def plot(summary, out_dir, ns):
-    """What HD's compute buys (lab/compute.py): each arm's held-out loss minus the n = 1 control's,
-    paired by seed, with its 95% interval (t over the seeds), against the arm's continuation FLOPs
-    as run; the four ways of spending compute as four lines from the control (0 at its FLOPs)."""
-    pts = {}  # arm -> metric -> {seed: value}
-    for s in summary:
-        if s["effect"] == HD_COMPUTE.name:
-            pts.setdefault(s["arm"], {})[s["metric"]] = s["values"]
+    """What HD's compute buys (lab/compute.py), one panel a regime (early; late, where it ran): each
+    arm's held-out loss minus the n = 1 control's, paired by seed, with its 95% interval (t over
+    the seeds), against the arm's continuation FLOPs as run; each way of spending compute a line
+    from the control (0 at its FLOPs), its arms' labels set apart by way."""
     plt = figures.pyplot()
-    if N1.label not in pts or plt is None:
+    regimes = [(e, title) for e, title in ((HD_COMPUTE, "early: from the n = 1 backbone"),
+                                           (LATE, f"late: after {max(STEPS):g}x the steps more"))
+               if any(s["effect"] == e.name and s["arm"] == N1.label for s in summary)]
+    if plt is None or not regimes:
         return None
-    control = pts[N1.label]["loss"]
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for way, arms in ways(ns).items():
-        have = [a.label for a in arms if a.label in pts]
-        x = [np.mean(list(pts[a][FLOPS].values())) for a in have]
-        deltas = [[pts[a]["loss"][k] - control[k] for k in control if k in pts[a]["loss"]] for a in have]
-        y = [np.mean(d) for d in deltas]
-        half = [0.0 if len(d) < 2 else (interval95(d)[1] - interval95(d)[0]) / 2 for d in deltas]
-        ax.errorbar(x, y, yerr=half, fmt="o-", ms=4, capsize=3, lw=1.2, label=way)
-        for a, xi, yi in zip(have, x, y):
-            ax.annotate(a.split(" (")[0], (xi, yi), fontsize=6, xytext=(4, 4), textcoords="offset points")
-    ax.axhline(0, color="0.6", lw=0.8, ls=":")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("continuation training FLOPs as run (log 2; lab/flops.py)")
-    ax.set_ylabel("held-out loss minus n = 1's, paired by seed (95% interval)")
-    ax.set_title("HD's compute against the same compute spent another way", fontsize=9)
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, len(regimes), figsize=(6.5 * len(regimes), 4.8), squeeze=False)
+    for ax, (effect, title) in zip(axes[0], regimes):
+        pts = {}  # arm -> metric -> {seed: value}
+        for s in summary:
+            if s["effect"] == effect.name:
+                pts.setdefault(s["arm"], {})[s["metric"]] = s["values"]
+        control = pts[N1.label]["loss"]
+        for i, (way, arms) in enumerate(ways(ns).items()):
+            have = [a.label for a in arms if a.label in pts]
+            if len(have) < 2:
+                continue  # a way the regime did not run (late: the loop, ParScale)
+            x = [np.mean(list(pts[a][FLOPS].values())) for a in have]
+            deltas = [[pts[a]["loss"][k] - control[k] for k in control if k in pts[a]["loss"]] for a in have]
+            y = [np.mean(d) for d in deltas]
+            half = [0.0 if len(d) < 2 else (interval95(d)[1] - interval95(d)[0]) / 2 for d in deltas]
+            ax.errorbar(x, y, yerr=half, fmt="o-", ms=4, capsize=3, lw=1.2, label=way)
+            for a, xi, yi in list(zip(have, x, y))[1:]:  # the control's label once, below
+                ax.annotate(a.split(" (")[0], (xi, yi), fontsize=6, xytext=(5, 6 - 9 * (i % 4)), textcoords="offset points")
+        ax.annotate("n=1 continued (control)", (np.mean(list(pts[N1.label][FLOPS].values())), 0), fontsize=6,
+                    xytext=(5, -14), textcoords="offset points")
+        ax.axhline(0, color="0.6", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("continuation training FLOPs as run (log 2; lab/flops.py)")
+        ax.set_ylabel("held-out loss minus the n = 1 control's, paired by seed (95% interval)")
+        ax.set_title(f"{title}: each arm's paired difference from the control", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle("HD's compute: each way of spending it, its arms' loss minus the control's against their FLOPs as run",
+                 fontsize=10)
+    fig.tight_layout()
     return figures.saved(fig, out_dir / "hd_compute.png")

@@ -37,18 +37,28 @@ CPU = torch.device("cpu")  # where a layer runs does not change whether its stre
 ROUTED = ("ffn.w_gate_up", "ffn.w_down")  # the stacked routed experts: top_k of n_experts run per row
 
 
-def per_token(model, T, passes=1):
+def per_token(model, T, passes=1, *, decider=False, stage2=False):
     """One training step's FLOPs per token of `model` on sequences of T tokens, as it runs (the
     convention above). passes: TaH's passes per token (1 Standard, 2 AlwaysThink; between, the
-    share of tokens a second pass runs, its attention pairs as if those tokens were spread evenly).
+    share of tokens a second pass runs, its attention pairs as if those tokens were spread evenly;
+    a gathered pass's padded rows count as run: passes_run). decider: TaH's decider reads every
+    pass's rows (a decider-routed forward: its MLP once, as no gradient reaches it). stage2: TaH's
+    stage 2, the forward without gradient (once) and the decider trained on its rows (3x; its
+    logit projection 2x, as its input takes no gradient).
     What it cannot count (not a model of this project, T not an int in [1, block_size], passes on
     a model without them or outside TaH's range) is refused in one line."""
-    return sum(parts(model, T, passes).values())
+    return sum(parts(model, T, passes, decider=decider, stage2=stage2).values())
 
 
-def parts(model, T, passes=1):
-    """per_token in two parts: "weights" (every matmul with a weight, the head included) and
-    "attention" (the mask's pairs), training FLOPs per token each."""
+def passes_run(out):
+    """The passes per token a TaH forward ran (its TaHOutput), as run: every pass's query rows,
+    a gathered pass's padding included, over the batch's tokens: per_token's `passes` for it."""
+    return sum(p.sel.numel() for p in out.passes) / out.depths.numel()
+
+
+def parts(model, T, passes=1, *, decider=False, stage2=False):
+    """per_token in two parts: "weights" (every matmul with a weight, the head and TaH's decider
+    included) and "attention" (the mask's pairs), training FLOPs per token each."""
     inner = getattr(model, "model", model)  # lab/compute's Looped and ParScale wrap an n = 1 model
     body = inner if isinstance(inner, Transformer) else getattr(inner, "backbone", None)
     if not isinstance(model, torch.nn.Module) or not isinstance(body, Transformer):
@@ -60,7 +70,15 @@ def parts(model, T, passes=1):
     loops = getattr(model, "loops", 1) * getattr(model, "copies", 1)  # passes, or copies, of the blocks a token
     prefix = getattr(model, "prefix", 0)  # ParScale's prefix rows: keys every query sees
     if hasattr(cfg, "max_depth"):
-        return {k: 3 * v for k, v in tah_forward(body, cfg, T, passes).items()}
+        fwd = tah_forward(body, cfg, T, passes)
+        dec = {n: 2 * p.numel() for n, p in inner.decider.named_parameters() if p.ndim == 2}
+        mlp = sum(dec.values()) * passes  # on every pass's rows
+        if stage2:  # the forward without gradient; the decider trained on what it read, 3x, but its logit projection
+            # 2x: its input (the logit values, read without gradient) takes no gradient
+            return {"weights": fwd["weights"] + 3 * mlp - dec["logit_proj.weight"] * passes, "attention": fwd["attention"]}
+        return {"weights": 3 * fwd["weights"] + (mlp if decider else 0), "attention": 3 * fwd["attention"]}
+    if decider or stage2:
+        raise ValueError(f"flops: decider and stage2 are TaH's; a {type(model).__name__} has no decider")
     if not isinstance(passes, int) or isinstance(passes, bool) or passes != 1:
         raise ValueError(f"flops: passes is TaH's (passes per token); a {type(model).__name__} runs one, got "
                          f"{passes!r}"[:200])

@@ -7,6 +7,7 @@ if __name__ == "__main__":  # no script: one line saying what to run (first: by 
     print("lab/test_compute.py is no script: run python -m pytest lab/test_compute.py", file=sys.stderr)
     sys.exit(2)
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -239,6 +240,32 @@ def test_the_flops_of_the_weights_are_what_torchs_flop_counter_counts_as_the_mod
     assert counter.get_total_flops() / (B * T) == pytest.approx(flops.parts(model, T, passes)["weights"], rel=1e-12)
 
 
+def test_tahs_decider_its_padded_rows_and_stage_2_are_counted_as_they_run():
+    """TaH's FLOPs where the decider runs, pinned against FlopCounterMode as the weights above: a
+    decider-routed forward with uneven routing (a gathered second pass, padded: passes_run counts
+    its rows as run, more than the tokens sent on), its decider's MLP on every pass's rows, once;
+    and stage 2 (stage2_loss, forward and backward): the forward once, the decider's MLP 3x."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from tah import stage2_loss
+    model = flop_models()["TaH always"][0]
+    torch.manual_seed(3)
+    B, T = 4, 12
+    idx = torch.randint(61, (B, T))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        out = model(idx, mode="decider", threshold=0.524)  # the untrained decider's scores sit near 0.52
+    went = (out.depths > 1).sum().item()
+    run = flops.passes_run(out)
+    assert (out.depths > 1).sum(1).tolist() == [3, 5, 4, 4] and run == 1 + 4 * 5 / (B * T)  # padded to 5 a row
+    train, routed = (flops.parts(model, T, run, decider=d)["weights"] for d in (False, True))
+    assert counter.get_total_flops() / (B * T) == pytest.approx(train / 3 + (routed - train), rel=1e-12)
+    depths = torch.ones_like(idx) + (torch.rand(B, T) < 0.3).long()
+    with FlopCounterMode(display=False) as counter:
+        stage2_loss(model, idx, depths)[0].backward()
+    assert counter.get_total_flops() / (B * T) == pytest.approx(flops.parts(model, T, stage2=True)["weights"], rel=1e-12)
+    with pytest.raises(ValueError, match="decider and stage2 are TaH's"):
+        flops.per_token(flop_models()["HD n=1"][0], T, decider=True)
+
+
 @pytest.mark.parametrize("name", list(flop_models()))
 def test_the_flops_of_attention_are_the_pairs_each_layers_mask_allows(name):
     """flops.parts' "attention": 3 x 4 x heads x head_dim per allowed (query, key) pair, against a
@@ -380,12 +407,18 @@ def test_the_figure_plots_each_arms_paired_difference_from_the_control_against_i
         for arm, loss, f in ((compute.N1, 5.0, 1.0), (compute.streams_arm(2), 4.9, 1.3), (compute.steps_arm(2), 4.7, 2.0),
                              (compute.looped_arm(2), 5.1 + 0.01 * seed, 1.4)):
             rows += experiment.result_rows(compute.HD_COMPUTE, arm, seed, {"loss": loss + shift, compute.FLOPS: f})
-    drawn = {}
+    rows += [r for seed in range(3) for arm, loss in ((compute.N1, 5.0), (compute.streams_arm(2), 4.95))
+             for r in experiment.result_rows(compute.LATE, arm, seed, {"loss": loss, compute.FLOPS: 1.0 + 0.3 * (
+                 arm != compute.N1)})]  # the late regime: a panel of its own
+    drawn, late = {}, {}
     real = compute.figures.pyplot()
-    fig, ax = real.subplots()
+    fig, (ax, ax_late) = real.subplots(1, 2, squeeze=True)
     monkeypatch.setattr(ax, "errorbar", lambda x, y, yerr, **kw: drawn.setdefault(kw["label"], (x, y, yerr)))
-    monkeypatch.setattr(real, "subplots", lambda **kw: (fig, ax))
+    monkeypatch.setattr(ax_late, "errorbar", lambda x, y, yerr, **kw: late.setdefault(kw["label"], (x, y, yerr)))
+    monkeypatch.setattr(real, "subplots", lambda *a, **kw: (fig, np.array([[ax, ax_late]])))
     assert compute.plot(report.summarize(rows), tmp_path, (1, 2)) == tmp_path / "hd_compute.png"
+    assert "paired difference from the control" in ax.get_title() and ax_late.get_title().startswith("late")
+    assert list(late) == ["more streams (HD)"] and list(late["more streams (HD)"][1]) == pytest.approx([0, -0.05])
     x, y, yerr = drawn["more streams (HD)"]
     assert list(x) == pytest.approx([1.0, 1.3]) and list(y) == pytest.approx([0.0, -0.1]) and yerr == pytest.approx([0, 0], abs=1e-9)
     x, y, yerr = drawn["looping, gated (recurrent depth)"]
@@ -461,6 +494,77 @@ def test_the_suites_wiring_every_arm_from_the_backbone_on_the_control_batches_ea
     hd = {f"n{k}-continued" for k in preset.hd_ns[1:]}
     assert effective == {(compute.HD_COMPUTE.id, a) for a in hd | {f"n1-looped{k}" for k in preset.hd_ns[1:]} | {
         f"parscale{k}" for k in preset.hd_ns[1:]}} | {(compute.LATE.id, a) for a in hd}
+
+
+LOSS_OF = {" 0.5x the steps": 5.20, " 1.5x the steps": 4.90, " 2x the steps": 4.80, " 4x the steps": 4.60,
+           "n=1 continued": 5.00, "n=2 continued": 4.95, "n=4 continued": 4.85, "looped x2": 5.10, "looped x4": 4.50,
+           "ParScale P=2": 5.30, "ParScale P=4": 4.70}  # each arm's loss by its label (the steps arms' first)
+
+
+def test_effective_compute_is_pinned_by_its_values_recomputed_by_hand_from_the_rows(monkeypatch):
+    """A small run whose arms end at chosen losses: every arm's effective compute row equals what
+    the rows give by hand, per regime and seed: the n = 1 curve of the control and the steps arms
+    only (their FLOPs and losses rows), interpolated in log FLOPs, over the arm's FLOPs; beyond the
+    curve the bound (a lower one below it, an upper one above). A curve from every arm, a wrong
+    bracket, or linear FLOPs each gives other values (checked)."""
+    import math
+    import train_tiny as tt
+    from dataclasses import replace as with_fields
+    preset = with_fields(tt.PRESETS["smoke"], hd_base_iters=2, hd_cont_iters=8)
+    monkeypatch.setattr(compute.hd_experiment, "hd_backbone", lambda *a: n1_model(block_size=preset.block))
+    last = []
+    monkeypatch.setattr(compute, "train", lambda name, *a, **k: last.append(name))
+    monkeypatch.setattr(compute, "evaluate", lambda model, data, preset, ctx: {
+        "loss": next(v for k, v in LOSS_OF.items() if k in last[-1]) + (0.3 if "late" in last[-1] else 0.0),
+        "acc": 0.1})
+    data = type("Text", (), {"split": {"train": torch.zeros(1000)}})()
+    rows = compute.hd_compute(preset, trainer_ctx(), 0, data)
+    val = {(r["effect_id"], r["arm_id"], r["metric"]): r["value"] for r in rows}
+
+    def by_hand(effect, arm, log_space=True):
+        curve = sorted((val[effect, a, compute.FLOPS], val[effect, a, "loss"]) for (e, a, m) in val
+                       if e == effect and m == compute.FLOPS and (a == "n1-continued" or a.startswith("n1-steps")))
+        f, loss = val[effect, arm, compute.FLOPS], val[effect, arm, "loss"]
+        xs, ys = [l for _, l in curve][::-1], [math.log(c) if log_space else c for c, _ in curve][::-1]
+        if not xs[0] <= loss <= xs[-1]:  # beyond the curve: the FLOPs of its nearest end
+            return (curve[-1][0] if loss < xs[0] else curve[0][0]) / f
+        got = float(np.interp(loss, xs, ys))
+        return (math.exp(got) if log_space else got) / f
+
+    checked = 0
+    for (effect, arm, metric), v in val.items():
+        if metric == compute.EFFECTIVE:
+            assert v == pytest.approx(by_hand(effect, arm), rel=1e-9), (effect, arm)
+            checked += 1
+            if arm in ("n4-continued", "n1-looped2"):  # inside the curve: in linear FLOPs, another number
+                assert v != pytest.approx(by_hand(effect, arm, log_space=False), rel=1e-3)
+    assert checked == 6 + 2
+    everything = [(val[e, a, compute.FLOPS], val[e, a, "loss"]) for (e, a, m) in val if e == "hd-compute"
+                  and m == compute.FLOPS]  # a curve built from every arm reads other values
+    assert any(compute.effective_compute(everything, val["hd-compute", a, "loss"], val["hd-compute", a, compute.FLOPS])
+               != pytest.approx(val["hd-compute", a, compute.EFFECTIVE], rel=1e-3) for a in ("n4-continued", "n2-continued"))
+    assert val["hd-compute", "n1-looped4", compute.BEYOND] == 1 and val["hd-compute", "parscale2", compute.BEYOND] == -1
+    assert val["hd-compute", "n4-continued", compute.BEYOND] == 0
+
+
+def test_the_search_chooses_each_ways_rates_by_its_mean_dev_loss_over_the_seeds_it_all_ran():
+    """search_choice: per way, the (rate, added) of the lowest mean dev loss over the seeds, among the
+    points every seed ran (a second-stage point one seed alone ran is left out); a diverged point
+    (inf) is never chosen; way_of names RATES' keys."""
+    E, arm = compute.HD_COMPUTE_LR, compute.searched_arm
+    rows = []
+    for seed, losses in ((0, {(0.5, 1): 5.0, (1, 1): 4.9, (2, 1): 4.8, (4, 1): float("inf"), (2, 10): 4.7}),
+                         (1, {(0.5, 1): 5.0, (1, 1): 4.7, (2, 1): 4.75, (4, 1): 4.9, (1, 10): 4.0})):
+        for (rate, new), loss in losses.items():
+            rows += experiment.result_rows(E, arm(compute.looped_arm(4), rate, new), seed, {compute.DEV_LOSS: loss})
+    for seed, losses in ((0, {0.5: 5.1, 1: 5.0, 2: 5.3, 4: 5.4}), (1, {0.5: 5.2, 1: 5.0, 2: 5.1, 4: float("inf")})):
+        rows += [r for rate, loss in losses.items()
+                 for r in experiment.result_rows(E, arm(compute.N1, rate, 1), seed, {compute.DEV_LOSS: loss})]
+    # looped x4: means 5.0, 4.8, 4.775, inf at 1x added; (2, 10) and (1, 10) one seed each: left out
+    assert compute.search_choice(rows) == {"looped4": (2.0, 1.0), "n1": (1.0, 1.0)}
+    assert [compute.way_of(a) for a in (compute.N1, compute.steps_arm(2), compute.streams_arm(4),
+                                        compute.looped_arm(2), compute.parscale_arm(4))] == [
+        "n1", "n1", "n4", "looped2", "parscale4"]
 
 
 def trainer_ctx():
