@@ -1,7 +1,6 @@
-"""Decoding (generate.py) kept apart from the methods, and its caches' refusals.
-
-The cached = full-forward properties of each model live beside that model's other tests
-(test_moe.py, test_hd.py, test_tah.py) and run over generate.py's caches."""
+"""Decoding (generate.py) kept apart from the methods, and its caches' refusals; cached decoding
+equals the full forward, one check for the backbone and HD (at the end: TaH's passes keep theirs in
+test_tah.py)."""
 
 import ast
 import contextlib
@@ -13,15 +12,18 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
+from hypothesis import given, strategies as st
 
 import generate as decoding
 import moe
-from conftest import COMPILE_MODELS, compile_model
+from conftest import COMPILE_MODELS, FAST, compile_model
 from generate import (KVCache, StaticTaHCache, TaHCache, WindowCache, compiled_step, generate, generate_tah, lora_merged,
                       make_caches, sample)
 from hd import HDConfig, HiddenDecoding
 from moe import ModelConfig, Transformer
 from tah import TaHConfig, ThinkAtHard, stage1_loss, stage2_loss
+from test_hd import hd_models, twin  # the drawn HD models, and one's twin under other settings
+from test_moe import build, model_configs  # the drawn backbones
 
 HERE = Path(__file__).resolve().parent
 SMALL = dict(vocab_size=61, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8, n_experts=4,
@@ -563,6 +565,54 @@ def test_static_tah_caches_refuse_a_graphed_that_is_not_a_bool_or_not_on_cuda():
 def test_generate_refuses_what_is_not_a_model_in_one_line(model):
     with pytest.raises(ValueError, match="generate take a moe.Transformer or hd.HiddenDecoding, got"):
         generate(model, torch.zeros(1, 2, dtype=torch.long), 2)
+
+
+# -----------------------------------------------------------------------------
+# Cached decoding equals the full forward: one check, for the backbone and for HD (TaH's, through its
+# passes' caches, is test_tah.py's)
+
+
+def decodes_as_the_full_forward(model, idx, T, steps):
+    """Cached decoding of idx: a T-token prompt, then each of `steps` new tokens a call (1 =
+    ordinary decoding), each call's logits equal to the full forward's on that prefix. Returns
+    the caches and the tokens they hold."""
+    caches = make_caches(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx[:, :T], caches=caches)[0], model(idx[:, :T])[0], atol=1e-5, rtol=1e-5)
+        t = T
+        for k in steps:
+            got, _ = model(idx[:, t:t + k], caches=caches)
+            torch.testing.assert_close(got, model(idx[:, :t + k])[0][:, t:], atol=1e-5, rtol=1e-5)
+            t += k
+    return caches, t
+
+
+@FAST
+@given(c=model_configs, T=st.integers(2, 14), chunks=st.lists(st.integers(1, 4), min_size=1, max_size=6),
+       seed=st.integers(0, 999))
+def test_cached_steps_equal_full_forward_on_each_prefix(c, T, chunks, seed):
+    model = build(c, seed)
+    decodes_as_the_full_forward(model, torch.randint(model.cfg.vocab_size, (2, T + sum(chunks))), T, chunks)
+
+
+@FAST
+@given(model=hd_models(), T=st.integers(1, 6), steps=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+       shared=st.booleans(), B=st.sampled_from([1, 2, 4, 16, 64]))  # bench.py decodes batches 1, 4, 16, 64
+def test_cached_decoding_equals_the_full_forward(model, T, steps, shared, B):
+    if shared and "I" in model.cfg.layout:
+        model = twin(model, shared_kv=True)
+    caches, t = decodes_as_the_full_forward(model, torch.randint(model.cfg.vocab_size, (B, T + sum(steps))), T, steps)
+    # every stream's rows are kept: n per token, or one per token with the streams as batch rows
+    assert [len(c) * c.k.size(0) for c in caches] == [t * model.cfg.n_streams * B] * model.cfg.n_layer \
+        or model.mirror_skip_from() is not None
+
+
+@FAST
+@given(model=hd_models(block_size=42, window=2), T=st.integers(1, 30), steps=st.lists(st.integers(1, 4), max_size=3))
+def test_cached_decoding_with_prompts_many_windows_long_equals_the_full_forward(model, T, steps):
+    """A window of 2 rows against prompts of up to 30 tokens (up to 120 rows): the L layers'
+    rings wrap many times, in the prompt and in every chunk after it."""
+    decodes_as_the_full_forward(model, torch.randint(model.cfg.vocab_size, (2, T + sum(steps))), T, steps)
 
 
 if __name__ == "__main__":

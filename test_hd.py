@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import moe
 from checks import FLEX_MIN_HEAD_DIM, check_flex
-from conftest import COMPILE_MODELS, CUDA, F64, FAST, compile_model, cuda, examples, f64_batch, gradcheck_wrt
+from conftest import COMPILE_MODELS, CUDA, F64, FAST, compile_model, cuda, examples, f64_batch, gradcheck_wrt, tiny
 from generate import KVCache, WindowCache, generate, make_caches
 from hd import (LETTERS, HDConfig, HiddenDecoding, attention_path, expand_streams, fold, full, intra, local, shared_intra,
                 unfold)
@@ -365,27 +365,6 @@ def test_expand_streams_keeps_dtype_and_mode(training):
 
 
 @FAST
-@given(model=hd_models(), T=st.integers(1, 6), steps=st.lists(st.integers(1, 3), min_size=1, max_size=4),
-       shared=st.booleans(), B=st.sampled_from([1, 2, 4, 16, 64]))  # bench.py decodes batches 1, 4, 16, 64
-def test_cached_decoding_equals_the_full_forward(model, T, steps, shared, B):
-    if shared and "I" in model.cfg.layout:
-        model = twin(model, shared_kv=True)
-    idx = torch.randint(model.cfg.vocab_size, (B, T + sum(steps)))
-    caches = make_caches(model)
-    with torch.no_grad():
-        got, _ = model(idx[:, :T], caches=caches)
-        torch.testing.assert_close(got, model(idx[:, :T])[0], atol=1e-5, rtol=1e-5)
-        t = T
-        for k in steps:  # each step: k new tokens, i.e. k*n new rows
-            got, _ = model(idx[:, t:t + k], caches=caches)
-            torch.testing.assert_close(got, model(idx[:, :t + k])[0][:, t:], atol=1e-5, rtol=1e-5)
-            t += k
-    # every stream's rows are kept: n per token, or one per token with the streams as batch rows
-    assert [len(c) * c.k.size(0) for c in caches] == [t * model.cfg.n_streams * B] * model.cfg.n_layer \
-        or model.mirror_skip_from() is not None
-
-
-@FAST
 @given(model=hd_models(block_size=6), shared=st.booleans(), data=st.data())
 def test_cache_filled_to_block_size_in_place_then_one_more_token_is_a_clear_error(model, shared, data):
     """The preallocated caches: every step writes into the buffers allocated at the first one,
@@ -424,22 +403,6 @@ def test_the_window_cache_returns_the_window_of_a_full_cache(window, chunks, see
         first = max(0, len(full) - T - (window - 1))
         assert torch.equal(Kr, K[:, :, first:]) and torch.equal(Vr, V[:, :, first:])
         assert len(ring) == len(full) and ring.k.size(2) == min(window, sum(chunks))  # a window past the capacity: every row
-
-
-@FAST
-@given(model=hd_models(block_size=42, window=2), T=st.integers(1, 30), steps=st.lists(st.integers(1, 4), max_size=3))
-def test_cached_decoding_with_prompts_many_windows_long_equals_the_full_forward(model, T, steps):
-    """A window of 2 rows against prompts of up to 30 tokens (up to 120 rows): the L layers'
-    rings wrap many times, in the prompt and in every chunk after it."""
-    idx = torch.randint(model.cfg.vocab_size, (2, T + sum(steps)))
-    caches = make_caches(model)
-    with torch.no_grad():
-        torch.testing.assert_close(model(idx[:, :T], caches=caches)[0], model(idx[:, :T])[0], atol=1e-5, rtol=1e-5)
-        t = T
-        for k in steps:
-            got, _ = model(idx[:, t:t + k], caches=caches)
-            torch.testing.assert_close(got, model(idx[:, :t + k])[0][:, t:], atol=1e-5, rtol=1e-5)
-            t += k
 
 
 def test_an_l_layer_reads_the_same_rows_per_step_at_2x_and_20x_its_window():
@@ -590,9 +553,7 @@ def test_cuda_forward_and_decode_step_never_wait_for_the_device(hd):
 
 
 def hd(head_dim=16, **kw):
-    base = dict(vocab_size=61, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=head_dim,
-                n_experts=4, top_k=2, expert_hidden=16, n_streams=2, layout="IFL", window=3)
-    return HDConfig(**{**base, **kw})
+    return tiny("hd", head_dim=head_dim, **kw)  # conftest's tiny HD config
 
 
 def tah_cfg(head_dim):

@@ -636,24 +636,6 @@ def build(c, seed):
 
 
 @FAST
-@given(c=model_configs, T=st.integers(2, 14), chunks=st.lists(st.integers(1, 4), min_size=1, max_size=6),
-       seed=st.integers(0, 999))
-def test_cached_steps_equal_full_forward_on_each_prefix(c, T, chunks, seed):
-    model = build(c, seed)
-    idx = torch.randint(model.cfg.vocab_size, (2, T + sum(chunks)))
-    caches = make_caches(model)
-    with torch.no_grad():
-        got, _ = model(idx[:, :T], caches=caches)
-        torch.testing.assert_close(got, model(idx[:, :T])[0], atol=1e-5, rtol=1e-5)
-        t = T
-        for n in chunks:  # each step feeds n new tokens (1 = ordinary decoding)
-            got, _ = model(idx[:, t:t + n], caches=caches)
-            full, _ = model(idx[:, :t + n])
-            torch.testing.assert_close(got, full[:, t:], atol=1e-5, rtol=1e-5)
-            t += n
-
-
-@FAST
 @given(c=model_configs, seed=st.integers(0, 999), block=st.integers(2, 9), data=st.data())
 def test_cache_filled_to_block_size_in_place_then_one_more_token_is_a_clear_error(c, seed, block, data):
     """The preallocated cache: every step writes into the buffers allocated at the first one

@@ -24,8 +24,17 @@ runs, the head once a token, the loop's passes), times the tokens its continuati
 n = 4 costs ~2.0x n = 1 a token (its head and its two KV-mirrored layers run once a token), the
 loop x4 ~2.3x. So the arms are compared by their **effective compute**: the FLOPs n = 1 needs to
 reach the arm's loss on its curve of more steps (per seed, read in log FLOPs between the points
-that bracket it; beyond the curve: nan, not extrapolated), over the FLOPs the arm spent. Above 1,
-the arm's compute is worth more than the same compute spent on more steps.
+that bracket it; beyond the curve not extrapolated: the bound its nearest end gives, and a row
+saying which), over the FLOPs the arm spent. Above 1, the arm's compute is worth more than the
+same compute spent on more steps.
+
+Every way gets its best shot by one rule: `--suite hd-compute-lr` continues each way from the same
+backbone at each peak rate of LR_GRID (x --hd_cont_lr), then, at its best, the parameters it adds
+(HD's tables past the first, the loop's gates, ParScale's prefixes and aggregation MLP) at each rate
+of NEW_GRID (x the way's), every point judged on the dev split; RATES holds what it chose, and this
+suite runs each way at its rates (the steps arms at the control's). How far each peer moved (its
+gates, its prefix values, its mixing weights from uniform) is a row, and "n = k beats X" is read
+only where X moved: where "X beats the n = 1 control" is shown.
 """
 
 if __name__ == "__main__":  # no script: one line saying what to run (first: by its path the project is not importable)
