@@ -40,10 +40,7 @@ def reference_allowed(kind, n, window, t, tp):
 
 
 def hd_cfg(**kw):
-    base = dict(vocab_size=61, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8,
-                n_experts=4, top_k=2, expert_hidden=16, ffn_hidden=48, n_streams=2, layout="IFI", window=3)
-    base.update(kw)
-    return HDConfig(**base)
+    return tiny("hd", **{**dict(head_dim=8, ffn_hidden=48, layout="IFI"), **kw})  # conftest's tiny HD config
 
 
 def twin(model, **kw):

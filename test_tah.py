@@ -14,7 +14,7 @@ from hypothesis import given, strategies as st
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import tah
-from conftest import COMPILE_TINY, F64, FAST, cuda, examples, f64_batch, gradcheck_wrt
+from conftest import COMPILE_TINY, F64, FAST, cuda, examples, f64_batch, gradcheck_wrt, tiny
 from generate import TaHCache, generate_tah, lora_merged
 from moe import LayerPlan
 from tah import LoRALinear, TaHConfig, ThinkAtHard, dense_batch_mask, duo_causal, oracle_depths, stage1_loss, stage2_loss
@@ -22,10 +22,8 @@ from tah import LoRALinear, TaHConfig, ThinkAtHard, dense_batch_mask, duo_causal
 
 
 def tah_cfg(**kw):
-    base = dict(vocab_size=53, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8,
-                n_experts=0, top_k=2, expert_hidden=16, ffn_hidden=48, logit_topk=8, decider_hidden=16, lora_rank=4)
-    base.update(kw)
-    return TaHConfig(**base)
+    return tiny("tah", **{**dict(vocab_size=53, head_dim=8, ffn_hidden=48, logit_topk=8, decider_hidden=16,
+                                 lora_rank=4), **kw})  # conftest's tiny TaH config, smaller
 
 
 def make(seed=0, lora=True, **kw):

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import experiment
+from conftest import tiny
 from hd import HDConfig, HiddenDecoding, expand_streams, layer_mask
 from lab import compute, flops
 from moe import ModelConfig, Transformer, dense_mask
@@ -22,9 +23,7 @@ from trainer import Stage
 
 def n1_model(**kw):
     torch.manual_seed(0)
-    cfg = dict(vocab_size=61, block_size=24, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=16, n_experts=4,
-               top_k=2, expert_hidden=16, n_streams=1, layout="IFL", window=3)
-    return HiddenDecoding(HDConfig(**{**cfg, **kw})).eval()
+    return HiddenDecoding(tiny("hd", **{**dict(block_size=24, n_streams=1), **kw})).eval()  # conftest's tiny HD
 
 
 def by_hand(model, idx, k, gates=None):
@@ -253,7 +252,6 @@ def test_tahs_decider_its_padded_rows_and_stage_2_are_counted_as_they_run():
     idx = torch.randint(61, (B, T))
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         out = model(idx, mode="decider", threshold=0.524)  # the untrained decider's scores sit near 0.52
-    went = (out.depths > 1).sum().item()
     run = flops.passes_run(out)
     assert (out.depths > 1).sum(1).tolist() == [3, 5, 4, 4] and run == 1 + 4 * 5 / (B * T)  # padded to 5 a row
     train, routed = (flops.parts(model, T, run, decider=d)["weights"] for d in (False, True))
