@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 import moe
 from checks import HD, MODEL, TAH, parameters
-from conftest import F64, FAST, cuda, examples, f64_batch, gradcheck_wrt
+from conftest import F64, FAST, cuda, examples, f64_batch, gradcheck_wrt, tiny
 from generate import generate, make_caches, sample
 from hd import HDConfig, HiddenDecoding, expand_streams, local
 from moe import MoE, ModelConfig, Transformer, apply_rope, attend, attend_folded, causal, dense_mask
@@ -28,10 +28,7 @@ from tah import TaHConfig, ThinkAtHard
 
 
 def small_cfg(**kw):
-    base = dict(vocab_size=61, block_size=64, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
-                head_dim=8, n_experts=4, top_k=2, expert_hidden=16, ffn_hidden=48)
-    base.update(kw)
-    return ModelConfig(**base)
+    return tiny("moe", **{**dict(block_size=64, head_dim=8, ffn_hidden=48), **kw})  # conftest's tiny backbone
 
 
 # -----------------------------------------------------------------------------
