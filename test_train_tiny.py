@@ -310,7 +310,8 @@ def test_smoke_runs_every_suite_and_writes_results(smoke_run):
     assert {s.split("/")[0] for s, _ in stages} == set(tt.SUITES)
     md = (tmp_path / "results.md").read_text()
     effects = all_effects()
-    assert len(effects) == 30  # 8 HD and MoE, TaH-3, 4 each TaH lookups task, 3 addition, 2 attention, 3 HD inside per n, compute early and late
+    assert len(effects) == 31  # 8 HD and MoE, TaH-3, 4 each TaH lookups task, 3 addition, 2 attention, 3 HD inside per n,
+    # compute early and late, and its learning-rate search
     assert len({e.id for e in effects}) == len(effects)
     for effect in effects:  # every effect reported, with the paper's figure in its caption
         assert f"**{effect.name}** (paper: {effect.paper})" in md, effect

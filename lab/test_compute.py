@@ -7,6 +7,8 @@ if __name__ == "__main__":  # no script: one line saying what to run (first: by 
     print("lab/test_compute.py is no script: run python -m pytest lab/test_compute.py", file=sys.stderr)
     sys.exit(2)
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -563,6 +565,33 @@ def test_the_search_chooses_each_ways_rates_by_its_mean_dev_loss_over_the_seeds_
     assert [compute.way_of(a) for a in (compute.N1, compute.steps_arm(2), compute.streams_arm(4),
                                         compute.looped_arm(2), compute.parscale_arm(4))] == [
         "n1", "n1", "n4", "looped2", "parscale4"]
+
+
+def test_what_each_way_adds_trains_at_its_rate_and_how_far_a_peer_moved_is_read_off_it():
+    """added: HD's tables past the first, the loop's gates, ParScale's prefixes and aggregation MLP,
+    nothing for n = 1; at_rates scales the peak rate and, past 1x, those parameters; moved reads
+    the loop's mean |gate| and ParScale's prefix values' RMS (0 at the start: the n = 1 function)
+    and, after a forward, its mixing weights' mean distance from 1/P."""
+    base = n1_model()
+    four, loop, ps = expand_streams(base, 4), compute.Looped(base, 3), compute.ParScale(base, 2)
+    assert compute.added(base) == () and compute.added(four) == ("tables.1.weight", "tables.2.weight",
+                                                                 "tables.3.weight")
+    assert compute.added(loop) == ("gates.0", "gates.1")
+    assert compute.added(ps) == ("prefix_k", "prefix_v") + tuple(f"aggregate.{i}.{w}" for i in (0, 2)
+                                                                 for w in ("weight", "bias"))
+    stage = Stage(10, 1e-3, warmup=1, batch=2, block=8)
+    assert compute.at_rates(stage, four, 2, 1) == replace(stage, lr=2e-3)
+    assert compute.at_rates(stage, loop, 0.5, 30) == replace(stage, lr=5e-4, scaled=("gates.0", "gates.1"), scale=30)
+    assert compute.moved(loop) == {compute.MOVED["gates"]: 0.0} and compute.moved(four) == {}
+    assert compute.moved(ps) == {compute.MOVED["prefix_v"]: 0.0}  # no forward yet: no mixing weights to read
+    with torch.no_grad():
+        loop.gates[1].fill_(0.5)
+        ps.prefix_v.fill_(2.0)
+        ps(torch.randint(61, (2, 5)))
+    assert compute.moved(loop)[compute.MOVED["gates"]] == pytest.approx(0.25)
+    got = compute.moved(ps)
+    assert got[compute.MOVED["prefix_v"]] == pytest.approx(2.0)
+    assert got[compute.MOVED["mixed"]] == pytest.approx((ps.mixed - 0.5).abs().mean().item()) and ps.mixed.shape == (2, 5, 2)
 
 
 def trainer_ctx():
