@@ -128,11 +128,11 @@ SMOKE = ["--smoke", "--ckpt_every", "1", "--jobs", "1"]  # one process: a patche
 
 
 def patch_train(monkeypatch, fn):
-    """Every suite trains through `fn`: the experiments' and the ablations' own name for trainer.train."""
+    """Every suite trains through `fn`: the experiments', the ablations' and lab/compute's own name for trainer.train."""
     import hd_experiment
     import tah_experiment
-    from lab import ablations
-    for module in (hd_experiment, tah_experiment, ablations):
+    from lab import ablations, compute
+    for module in (hd_experiment, tah_experiment, ablations, compute):
         monkeypatch.setattr(module, "train", fn)
 
 

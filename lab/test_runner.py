@@ -637,7 +637,7 @@ def test_data_that_no_suite_reads_or_that_is_a_folder_is_refused(tmp_path, capsy
     with pytest.raises(SystemExit):
         flags(["--data", str(tmp_path)])
     err = capsys.readouterr().err
-    assert "suites that train on text (hd, moe, hd-progressive, hd-compute)" in err and "it is a folder" in err
+    assert "suites that train on text (hd, moe, hd-progressive, hd-compute-lr, hd-compute)" in err and "it is a folder" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
