@@ -510,17 +510,19 @@ def plot(summary, out_dir, ns):
             y = [np.mean(d) for d in deltas]
             half = [0.0 if len(d) < 2 else (interval95(d)[1] - interval95(d)[0]) / 2 for d in deltas]
             ax.errorbar(x, y, yerr=half, fmt="o-", ms=4, capsize=3, lw=1.2, label=way)
-            for a, xi, yi in list(zip(have, x, y))[1:]:  # the control's label once, below
-                ax.annotate(a.split(" (")[0], (xi, yi), fontsize=6, xytext=(5, 6 - 9 * (i % 4)), textcoords="offset points")
+            for a, xi, yi in zip(have, x, y):
+                if a != N1.label:  # the control's label once, below
+                    ax.annotate(a.split(" (")[0], (xi, yi), fontsize=6, xytext=(5, 6 - 9 * (i % 4)),
+                                textcoords="offset points")
         ax.annotate("n=1 continued (control)", (np.mean(list(pts[N1.label][FLOPS].values())), 0), fontsize=6,
                     xytext=(5, -14), textcoords="offset points")
         ax.axhline(0, color="0.6", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("continuation training FLOPs as run (log 2; lab/flops.py)")
-        ax.set_ylabel("held-out loss minus the n = 1 control's, paired by seed (95% interval)")
+        ax.set_ylabel("held-out loss − the control's, paired by seed (95% interval)", fontsize=8)
         ax.set_title(f"{title}: each arm's paired difference from the control", fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle("HD's compute: each way of spending it, its arms' loss minus the control's against their FLOPs as run",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     return figures.saved(fig, out_dir / "hd_compute.png")
