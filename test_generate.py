@@ -16,12 +16,12 @@ from hypothesis import given, strategies as st
 
 import generate as decoding
 import moe
-from conftest import COMPILE_MODELS, FAST, compile_model
+from conftest import COMPILE_MODELS, FAST, compile_model, tiny
 from generate import (KVCache, StaticTaHCache, TaHCache, WindowCache, compiled_step, generate, generate_tah, lora_merged,
                       make_caches, sample)
-from hd import HDConfig, HiddenDecoding
-from moe import ModelConfig, Transformer
-from tah import TaHConfig, ThinkAtHard, stage1_loss, stage2_loss
+from hd import HiddenDecoding
+from moe import Transformer
+from tah import ThinkAtHard, stage1_loss, stage2_loss
 from test_hd import hd_models, twin  # the drawn HD models, and one's twin under other settings
 from test_moe import build, model_configs  # the drawn backbones
 
@@ -48,8 +48,8 @@ def test_the_method_files_import_nothing_from_the_decoding_file(method_file):
 @pytest.mark.parametrize("kind", ["moe", "hd", "hd-skip"])
 def test_a_cache_continued_with_another_batch_size_is_refused_and_stays_as_it_was(kind):
     torch.manual_seed(0)
-    model = (Transformer(ModelConfig(**SMALL)) if kind == "moe" else
-             HiddenDecoding(HDConfig(**SMALL, n_streams=2, layout="IFI", mirror_skip=kind == "hd-skip"))).eval()
+    model = (Transformer(tiny("moe", **SMALL)) if kind == "moe" else
+             HiddenDecoding(tiny("hd", **SMALL, layout="IFI", window=8, mirror_skip=kind == "hd-skip"))).eval()
     idx = torch.randint(61, (3, 5))
     caches = make_caches(model)
     with torch.no_grad():
@@ -68,12 +68,12 @@ def test_caches_refuse_a_bad_size(bad):
     with pytest.raises(ValueError, match="capacity"):
         KVCache(bad)
     with pytest.raises(ValueError, match="batch rows"):
-        TaHCache(ThinkAtHard(TaHConfig(**{**SMALL, "n_experts": 0}, logit_topk=8)), bad, "cpu")
+        TaHCache(ThinkAtHard(tiny("tah", **{**SMALL, "n_experts": 0}, logit_topk=8)), bad, "cpu")
 
 
 def test_generate_writes_prompt_and_new_tokens_to_block_size_exactly():
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**SMALL)).eval()
+    model = Transformer(tiny("moe", **SMALL)).eval()
     out = generate(model, torch.randint(61, (2, 6)), 10, temperature=0)
     assert out.shape == (2, 16)
     with pytest.raises(ValueError, match="block_size"):
@@ -81,14 +81,12 @@ def test_generate_writes_prompt_and_new_tokens_to_block_size_exactly():
 
 
 def tah_model(n_layer=3):
-    return ThinkAtHard(TaHConfig(vocab_size=11, block_size=16, n_layer=n_layer, n_embd=32, n_head=6, n_kv_head=2,
-                                 head_dim=8, n_experts=0, ffn_hidden=32, kv_mirror=n_layer >= 3, logit_topk=5,
-                                 max_depth=2, lora_rank=4))
+    return ThinkAtHard(tiny("tah", vocab_size=11, block_size=16, n_layer=n_layer, head_dim=8, expert_hidden=64,
+                            ffn_hidden=32, kv_mirror=n_layer >= 3, logit_topk=5, max_depth=2, lora_rank=4))
 
 
 def moe_model():
-    return Transformer(ModelConfig(vocab_size=11, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
-                                   head_dim=8, n_experts=4, expert_hidden=16))
+    return Transformer(tiny("moe", vocab_size=11, block_size=16, head_dim=8))
 
 
 IDX = torch.zeros(1, 4, dtype=torch.long)
@@ -123,8 +121,8 @@ def test_a_cache_of_the_wrong_kind_for_its_layer_is_refused():
     ring, decoding would read rows its mask excludes, silently wrong. Refused, naming the layer;
     the right caches decode the full forward's logits (the reference)."""
     torch.manual_seed(0)
-    model = HiddenDecoding(HDConfig(vocab_size=11, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
-                                    head_dim=8, n_experts=0, n_streams=2, layout="ILI", window=1)).eval()
+    model = HiddenDecoding(tiny("hd", vocab_size=11, block_size=16, head_dim=8, n_experts=0, expert_hidden=64,
+                                layout="ILI", window=1)).eval()
     idx = torch.randint(11, (1, 6))
     caches = make_caches(model)
     wrong = caches[:1] + [KVCache(caches[1].capacity)] + caches[2:]
@@ -164,8 +162,8 @@ def static_model(kind, kw):
     base = dict(vocab_size=64, block_size=40, n_layer=len(kw.get("layout", "abc")), n_embd=32, n_head=6, n_kv_head=2,
                 head_dim=16, n_experts=4, kv_mirror=kw.pop("kv_mirror", False) if kind == "hd" else True)
     if kind == "moe":
-        return Transformer(ModelConfig(**base)).eval()
-    return HiddenDecoding(HDConfig(**base, **kw)).eval()
+        return Transformer(tiny("moe", **base, expert_hidden=64)).eval()
+    return HiddenDecoding(tiny("hd", **{"window": 8, **base, "expert_hidden": 64, **kw})).eval()
 
 
 @pytest.mark.parametrize("kind, kw", STATIC_MODELS)
@@ -212,8 +210,7 @@ def test_cuda_graph_decoding_gives_eagers_tokens(kind, kw):
 
 def tah_static_model():
     torch.manual_seed(0)
-    model = ThinkAtHard(TaHConfig(vocab_size=64, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
-                                  head_dim=16, n_experts=0, logit_topk=16, threshold=0.5)).eval()
+    model = ThinkAtHard(tiny("tah", vocab_size=64, expert_hidden=64, threshold=0.5)).eval()
     with torch.no_grad():  # adapters that change the second pass, a decider that sends some tokens on
         for m in model.loras:
             m.B.normal_(std=0.2)
@@ -350,8 +347,7 @@ def test_every_captured_tah_pass_reads_nothing_on_the_host_and_warms_up_on_its_o
                                                                                             fake_cuda_graphs):
     """StaticTaHCache's pass graphs, depth 0 and depth 1 (every token of 3 rows two passes): as above."""
     torch.manual_seed(0)
-    model = ThinkAtHard(TaHConfig(vocab_size=64, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
-                                  head_dim=16, n_experts=experts, logit_topk=16)).eval()
+    model = ThinkAtHard(tiny("tah", vocab_size=64, n_experts=experts, expert_hidden=64)).eval()
     cache = StaticTaHCache(model, 3, "cpu")  # graphed=True takes CUDA: its replay, on faked graph calls, here
     cache.graphed = cache.replay
     with torch.no_grad(), lora_merged(model):
@@ -369,12 +365,9 @@ def test_every_captured_tah_pass_reads_nothing_on_the_host_and_warms_up_on_its_o
 
 def small_models():
     torch.manual_seed(0)
-    base = dict(vocab_size=61, block_size=32, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=16,
-                n_experts=4, top_k=2, expert_hidden=16)
-    return {"moe": moe.Transformer(moe.ModelConfig(**base)),
-            "hd": HiddenDecoding(HDConfig(**base, n_streams=4, layout="IFL", window=5)),
-            "hd-shared": HiddenDecoding(HDConfig(**base, n_streams=2, layout="LIF", shared_kv=True, mirror_skip=False)),
-            "tah": ThinkAtHard(TaHConfig(**base, logit_topk=16, threshold=0.5))}
+    return {"moe": moe.Transformer(tiny("moe")), "hd": HiddenDecoding(tiny("hd", n_streams=4, window=5)),
+            "hd-shared": HiddenDecoding(tiny("hd", layout="LIF", window=8, shared_kv=True, mirror_skip=False)),
+            "tah": ThinkAtHard(tiny("tah", n_experts=4, threshold=0.5))}  # conftest's tiny configs
 
 
 @pytest.mark.parametrize("kind", ["moe", "hd", "hd-shared", "tah"])
@@ -471,8 +464,7 @@ def test_generate_compile_must_be_a_bool():
 
 
 def small_hd():
-    return HiddenDecoding(HDConfig(vocab_size=64, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
-                                   head_dim=8, n_experts=4, expert_hidden=16, layout="IFL", window=4)).eval()
+    return HiddenDecoding(tiny("hd", vocab_size=64, block_size=16, head_dim=8, window=4)).eval()
 
 
 @pytest.mark.parametrize("make, says", [
@@ -527,8 +519,7 @@ def test_a_cache_too_big_for_the_machine_is_refused_at_its_first_write_by_the_si
     for cache in (KVCache(2**50), decoding.StaticCache(2**50)):
         with pytest.raises(ValueError, match="needs ~.*GiB and the cpu has"):
             cache.update(k, k)
-    tah_model = ThinkAtHard(TaHConfig(vocab_size=64, block_size=32, n_layer=1, n_embd=32, n_head=6, n_kv_head=2,
-                                      head_dim=16, n_experts=0, logit_topk=16, kv_mirror=False))
+    tah_model = ThinkAtHard(tiny("tah", vocab_size=64, n_layer=1, expert_hidden=64, kv_mirror=False))
     for make in (TaHCache, StaticTaHCache):
         with pytest.raises(ValueError, match="needs ~.*GiB and the cpu has"):
             make(tah_model, 10**9, "cpu")
@@ -538,8 +529,7 @@ def test_a_window_past_the_block_decodes_as_every_row_in_a_ring_no_larger_than_t
     """HDConfig(window=2**40): the L layer sees every row, its ring holds at most the cache's
     capacity (it was 2**40 rows), and decoding gives the full forward's tokens."""
     torch.manual_seed(0)
-    model = HiddenDecoding(HDConfig(vocab_size=64, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2,
-                                    head_dim=16, n_experts=4, n_streams=2, layout="IFL", window=2**40)).eval()
+    model = HiddenDecoding(tiny("hd", vocab_size=64, block_size=16, expert_hidden=64, window=2**40)).eval()
     caches = make_caches(model)
     assert all(getattr(c, "ring", 0) <= c.capacity for c in caches)
     idx = torch.randint(64, (2, 5))
@@ -552,8 +542,7 @@ def test_a_window_past_the_block_decodes_as_every_row_in_a_ring_no_larger_than_t
 
 
 def test_static_tah_caches_refuse_a_graphed_that_is_not_a_bool_or_not_on_cuda():
-    tah_model = ThinkAtHard(TaHConfig(vocab_size=64, block_size=32, n_layer=1, n_embd=32, n_head=6, n_kv_head=2,
-                                      head_dim=16, n_experts=0, logit_topk=16, kv_mirror=False))
+    tah_model = ThinkAtHard(tiny("tah", vocab_size=64, n_layer=1, expert_hidden=64, kv_mirror=False))
     with pytest.raises(ValueError, match="graphed must be True or False, got 'yes'"):
         StaticTaHCache(tah_model, 1, "cpu", graphed="yes")
     if not torch.cuda.is_available():
