@@ -295,7 +295,7 @@ def test_objectives_equal_their_definitions(objective):
 
 def test_gradcheck_hd_intra_folded_into_the_batch():
     torch.manual_seed(0)
-    model = HiddenDecoding(HDConfig(**{**F64, "n_experts": 0}, n_streams=3, layout="III", mirror_skip=False)).double()
+    model = HiddenDecoding(tiny("hd", **{**F64, "n_experts": 0}, n_streams=3, layout="III", window=8, mirror_skip=False)).double()
     idx, tgt = f64_batch(3)
     for name in ("tables.1.weight", "backbone.blocks.1.attn.q_proj.weight"):
         gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])
@@ -303,7 +303,7 @@ def test_gradcheck_hd_intra_folded_into_the_batch():
 
 def test_gradcheck_hd_kv_mirror_mirror_skip_on():
     torch.manual_seed(0)
-    model = HiddenDecoding(HDConfig(**{**F64, "n_experts": 0}, n_streams=2, layout="IFL", window=3,
+    model = HiddenDecoding(tiny("hd", **{**F64, "n_experts": 0}, n_streams=2, layout="IFL", window=3,
                                     mirror_skip=True)).double()
     assert model.cfg.mirror_skip_on
     idx, tgt = f64_batch(4)
@@ -349,7 +349,7 @@ def test_expansion_from_an_n1_backbone_checkpoint():
 @pytest.mark.parametrize("training", [True, False])
 def test_expand_streams_keeps_dtype_and_mode(training):
     torch.manual_seed(0)
-    model = HiddenDecoding(HDConfig(**F64, n_streams=1, layout="IFI")).double().train(training)
+    model = HiddenDecoding(tiny("hd", **F64, n_streams=1, layout="IFI", window=8)).double().train(training)
     grown = expand_streams(model, 2)
     assert all(p.dtype == torch.float64 for p in grown.parameters())
     assert grown.training == training

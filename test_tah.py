@@ -426,7 +426,7 @@ def test_decoding_fills_the_cache_to_block_size_in_place_then_one_more_token_is_
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_tah_decider_stage2_and_generate_run_in_the_weights_dtype_without_autocast(dtype):
     torch.manual_seed(0)
-    model = ThinkAtHard(TaHConfig(**{**F64, "n_experts": 0}, logit_topk=5)).to(dtype)
+    model = ThinkAtHard(tiny("tah", **{**F64, "n_experts": 0}, logit_topk=5)).to(dtype)
     idx, tgt = f64_batch(2)
     out = model(idx, tgt, mode="decider")
     assert out.logits.dtype == dtype
@@ -439,7 +439,7 @@ def test_tah_decider_stage2_and_generate_run_in_the_weights_dtype_without_autoca
 
 def test_gradcheck_tah_gathered_depths():
     torch.manual_seed(0)
-    model = ThinkAtHard(TaHConfig(**{**F64, "n_experts": 0}, logit_topk=5, max_depth=3)).double()
+    model = ThinkAtHard(tiny("tah", **{**F64, "n_experts": 0}, logit_topk=5, max_depth=3)).double()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith(".B"):

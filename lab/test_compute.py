@@ -204,21 +204,21 @@ def flop_models():
     torch.manual_seed(0)
     hd = dict(vocab_size=61, block_size=24, n_layer=6, n_embd=32, n_head=4, n_kv_head=2, head_dim=16, n_experts=4,
               top_k=2, expert_hidden=16, layout="IIFLII", window=3, moe_dispatch="loop")
-    n1 = HiddenDecoding(HDConfig(**hd, n_streams=1))
-    tah = ThinkAtHard(TaHConfig(vocab_size=61, block_size=24, n_layer=3, n_embd=32, n_head=2, n_kv_head=1,
+    n1 = HiddenDecoding(tiny("hd", **hd, n_streams=1))
+    tah = ThinkAtHard(tiny("tah", vocab_size=61, block_size=24, n_layer=3, n_embd=32, n_head=2, n_kv_head=1,
                                 head_dim=16, n_experts=4, top_k=2, expert_hidden=16, logit_topk=16, moe_dispatch="loop"))
     return {
-        "HD n=1": (n1, {}), "HD n=2": (HiddenDecoding(HDConfig(**hd, n_streams=2)), {}),
-        "HD n=4": (HiddenDecoding(HDConfig(**hd, n_streams=4)), {}),
-        "HD n=4, no skip": (HiddenDecoding(HDConfig(**hd, n_streams=4, mirror_skip=False)), {}),
-        "HD n=3, FLIFLI, shared-KV": (HiddenDecoding(HDConfig(**{**hd, "layout": "FLIFLI"}, n_streams=3,
+        "HD n=1": (n1, {}), "HD n=2": (HiddenDecoding(tiny("hd", **hd, n_streams=2)), {}),
+        "HD n=4": (HiddenDecoding(tiny("hd", **hd, n_streams=4)), {}),
+        "HD n=4, no skip": (HiddenDecoding(tiny("hd", **hd, n_streams=4, mirror_skip=False)), {}),
+        "HD n=3, FLIFLI, shared-KV": (HiddenDecoding(tiny("hd", **{**hd, "layout": "FLIFLI"}, n_streams=3,
                                                                 shared_kv=True)), {}),
-        "HD n=2, objective all": (HiddenDecoding(HDConfig(**hd, n_streams=2, objective="all")), {}),
+        "HD n=2, objective all": (HiddenDecoding(tiny("hd", **hd, n_streams=2, objective="all")), {}),
         "looped x1": (compute.Looped(n1, 1), {}), "looped x3": (compute.Looped(n1, 3), {}),
         "ParScale P=2": (compute.ParScale(n1, 2), {}), "ParScale P=4, 3 prefix rows": (compute.ParScale(n1, 4, 3), {}),
-        "backbone": (Transformer(ModelConfig(**{k: v for k, v in hd.items() if k not in ("layout", "window")})), {}),
+        "backbone": (Transformer(tiny("moe", **{k: v for k, v in hd.items() if k not in ("layout", "window")})), {}),
         "TaH standard": (tah, dict(mode="standard")), "TaH always": (tah, dict(mode="always")),
-        "TaH-3 always": (ThinkAtHard(TaHConfig(vocab_size=61, block_size=24, n_layer=3, n_embd=32, n_head=2,
+        "TaH-3 always": (ThinkAtHard(tiny("tah", vocab_size=61, block_size=24, n_layer=3, n_embd=32, n_head=2, expert_hidden=64,
                                                n_kv_head=1, head_dim=16, n_experts=0, ffn_hidden=32, logit_topk=16,
                                                max_depth=3)), dict(mode="always")),
     }
@@ -298,7 +298,7 @@ def test_the_flops_of_attention_are_the_pairs_each_layers_mask_allows(name):
 def test_the_pairs_closed_form_is_the_sum_over_the_query_rows(letter, n, T, window, final_only):
     """flops.pairs counts in closed form (its cost does not grow with T); here the sum it replaces,
     row by row: F sees every row up to its own, L its window, I its own stream's."""
-    cfg = HDConfig(vocab_size=8, block_size=64, n_layer=1, n_embd=8, n_head=1, n_kv_head=1, head_dim=8, n_experts=0,
+    cfg = tiny("hd", vocab_size=8, block_size=64, expert_hidden=64, n_layer=1, n_embd=8, n_head=1, n_kv_head=1, head_dim=8, n_experts=0,
                    ffn_hidden=8, layout=letter, window=window, kv_mirror=False)
     rows = range(n - 1, n * T, n) if final_only else range(n * T)
     want = sum({"F": r + 1, "L": min(r + 1, window), "I": r // n + 1}[letter] for r in rows)
