@@ -18,8 +18,8 @@ import experiment
 from conftest import tiny
 from hd import HDConfig, HiddenDecoding, expand_streams, layer_mask
 from lab import compute, flops
-from moe import ModelConfig, Transformer, dense_mask
-from tah import TaHConfig, ThinkAtHard
+from moe import Transformer, dense_mask
+from tah import ThinkAtHard
 from trainer import Stage
 
 
