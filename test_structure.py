@@ -195,21 +195,20 @@ def test_the_operator_machinery_is_at_most_547_code_lines():
     assert sum(operator.values()) <= 547, operator
 
 
-def made_in(suite, tmp_path):
-    """The project files a plain run's rows and verdicts of `suite` are made in, traced
-    (sys.setprofile) from train_seed and the judging of its claims, with the run's lab services
-    (checkpoints, the analyses kept, the FLOPs count) off, as they make no row; and the rows."""
-    import experiment
-    import tasks
-    import train_tiny as tt
-    from conftest import flags
-    from trainer import Context
-    argv = ["--preset", "smoke", "--suite", suite, "--hd_base_iters=1", "--hd_cont_iters=1", "--tah_base_iters=1",
-            "--tah_sft_iters=1", "--decider_iters=1"]
-    f = flags(argv)
+TINY_BUDGET = ["--preset", "smoke", "--hd_base_iters=1", "--hd_cont_iters=1", "--tah_base_iters=1",
+               "--tah_sft_iters=1", "--decider_iters=1"]  # every stage a step: a plain run in seconds
+
+
+def short_text(tmp_path):
+    """A small text file to train on: no time spent tokenizing the plays."""
     text = tmp_path / "text.txt"
     text.write_text("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace from day to day. " * 40)
-    data = tt.task(suite, f.preset, tasks.load_text(str(text), (), f.preset.block) if suite == "hd" else None)
+    return text
+
+
+def traced(run):
+    """run()'s result, and the project files (tests aside) whose functions it called, traced with
+    sys.setprofile."""
     ran = set()
 
     def called(frame, event, arg):
@@ -217,12 +216,32 @@ def made_in(suite, tmp_path):
             ran.add(frame.f_code.co_filename)
     sys.setprofile(called)
     try:
-        rows = tt.train_seed(suite, f.preset, Context(tmp_path), 0, data)
-        experiment.judge([{**r, "suite": suite} for r in rows], tt.claims(f))
+        result = run()
     finally:
         sys.setprofile(None)
-    return {name_of(Path(p)) for p in ran if Path(p).is_relative_to(HERE) and not Path(p).name.startswith(("test_",
-                                                                                                          "conftest"))}, rows
+    return result, {name_of(Path(p)) for p in ran if Path(p).is_relative_to(HERE)
+                    and not Path(p).name.startswith(("test_", "conftest"))}
+
+
+def made_in(suite, tmp_path):
+    """The project files a plain run's rows and verdicts of `suite` are made in, traced from
+    train_seed and the judging of its claims, with the run's lab services (checkpoints, the
+    analyses kept, the FLOPs count) off, as they make no row; and the rows."""
+    import experiment
+    import tasks
+    import train_tiny as tt
+    from conftest import flags
+    from trainer import Context
+    f = flags(TINY_BUDGET + ["--suite", suite])
+    data = tt.task(suite, f.preset, tasks.load_text(str(short_text(tmp_path)), (), f.preset.block) if suite == "hd"
+                   else None)
+
+    def rows_and_verdicts():
+        rows = tt.train_seed(suite, f.preset, Context(tmp_path), 0, data)
+        experiment.judge([{**r, "suite": suite} for r in rows], tt.claims(f))
+        return rows
+    rows, files = traced(rows_and_verdicts)
+    return files, rows
 
 
 @pytest.mark.parametrize("suite, path, most", [("hd", HD_PATH, 1100), ("tah", TAH_PATH, 1200)])
@@ -246,11 +265,8 @@ def test_code_lines_count_neither_docstrings_nor_comments(tmp_path):
 def test_a_plain_run_goes_through_the_readers_path_and_imports_nothing_of_the_ablations(tmp_path):
     """`python train_tiny.py` at tiny budgets: the project modules it imports are the methods, the
     reader's path and lab/ without lab/ablations.py and lab/arith.py (--suite all imports them)."""
-    text = tmp_path / "text.txt"  # a small text: no time spent tokenizing the plays
-    text.write_text("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace from day to day. " * 40)
-    budget = ["--preset", "smoke", "--suite", "hd,tah", "--jobs", "1", "--hd_base_iters=1", "--hd_cont_iters=1",
-              "--tah_base_iters=1", "--tah_sft_iters=1", "--decider_iters=1", "--data", str(text), "--out",
-              str(tmp_path / "out")]
+    budget = TINY_BUDGET + ["--suite", "hd,tah", "--jobs", "1", "--data", str(short_text(tmp_path)), "--out",
+                            str(tmp_path / "out")]
     script = ("import sys, train_tiny\ntrain_tiny.main(sys.argv[1:])\n"
               "print(sorted(m for m in sys.modules if m.split('.')[0] in {'lab', 'experiment', 'trainer', 'tasks'}))")
     run = subprocess.run([sys.executable, "-c", script, *budget], cwd=HERE, capture_output=True, text=True, timeout=300)
@@ -270,22 +286,9 @@ def test_a_plain_run_traced_from_main_to_its_report_runs_the_core_files_and_lab_
     named as skippable (the runner, the files, the checks, the token cache, the report, the figures,
     the FLOPs count), never the ablations, the addition task or --suite hd-compute's."""
     import train_tiny
-    text = tmp_path / "text.txt"
-    text.write_text("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace from day to day. " * 40)
-    ran = set()
-
-    def called(frame, event, arg):
-        if event == "call":
-            ran.add(frame.f_code.co_filename)
-    sys.setprofile(called)
-    try:
-        train_tiny.main(["--preset", "smoke", "--suite", "hd,tah", "--jobs", "1", "--hd_base_iters=1", "--hd_cont_iters=1",
-                         "--tah_base_iters=1", "--tah_sft_iters=1", "--decider_iters=1", "--data", str(text), "--out",
-                         str(tmp_path / "out")])
-    finally:
-        sys.setprofile(None)
-    files = {name_of(Path(f)) for f in ran if Path(f).is_relative_to(HERE) and not Path(f).name.startswith("test_")}
-    files -= {"conftest.py"}
+    argv = TINY_BUDGET + ["--suite", "hd,tah", "--jobs", "1", "--data", str(short_text(tmp_path)), "--out",
+                          str(tmp_path / "out")]
+    _, files = traced(lambda: train_tiny.main(argv))
     assert files - set(METHODS) - set(SKIPPABLE) == set(READERS_PATH), sorted(files)
 
 
