@@ -88,11 +88,11 @@ COMPILE_MODELS = [("moe", {}), ("hd", dict(layout="IFL")), ("hd", dict(layout="F
 
 
 def compile_model(kind, **kw):
-    from hd import HDConfig, HiddenDecoding
-    from moe import ModelConfig, Transformer
+    from hd import HiddenDecoding
+    from moe import Transformer
     if kind == "moe":
-        return Transformer(ModelConfig(**{k: v for k, v in {**COMPILE_TINY, **kw}.items() if k != "window"}))
-    return HiddenDecoding(HDConfig(**{**COMPILE_TINY, "n_streams": 2, **kw}))
+        return Transformer(tiny("moe", **{k: v for k, v in {**COMPILE_TINY, **kw}.items() if k != "window"}))
+    return HiddenDecoding(tiny("hd", **{**COMPILE_TINY, **kw}))
 
 
 @pytest.fixture

@@ -16,12 +16,12 @@ from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import moe
 from checks import FLEX_MIN_HEAD_DIM, check_flex
-from conftest import COMPILE_MODELS, CUDA, F64, FAST, compile_model, cuda, examples, f64_batch, gradcheck_wrt, tiny
+from conftest import COMPILE_MODELS, CUDA, F64, FAST, compile_model, cuda, f64_batch, gradcheck_wrt, tiny
 from generate import KVCache, WindowCache, generate, make_caches
-from hd import (LETTERS, HDConfig, HiddenDecoding, attention_path, expand_streams, fold, full, intra, local, shared_intra,
+from hd import (LETTERS, HiddenDecoding, attention_path, expand_streams, fold, full, intra, local, shared_intra,
                 unfold)
-from moe import LayerPlan, ModelConfig, Transformer, attend, dense_mask
-from tah import TaHConfig, ThinkAtHard
+from moe import LayerPlan, Transformer, attend, dense_mask
+from tah import ThinkAtHard
 
 MASK_OF = {**{k: (lambda n, w, k=k: LETTERS[k].mask(n, w, False)) for k in LETTERS},
            "S": lambda n, w: LETTERS["I"].mask(n, w, True)}  # the table's masks; S: I with shared KV
@@ -166,8 +166,7 @@ def test_all_intra_model_runs_each_stream_as_its_own_sequence(model, L):
        seed=st.integers(0, 999), L=st.integers(1, 10))
 def test_n1_all_full_reproduces_the_backbone(c, seed, L):
     torch.manual_seed(seed)
-    backbone = Transformer(ModelConfig(vocab_size=61, block_size=32, n_embd=32, n_head=6, n_kv_head=2, head_dim=8,
-                                       expert_hidden=16, ffn_hidden=48, **c)).eval()
+    backbone = Transformer(tiny("moe", head_dim=8, ffn_hidden=48, **c)).eval()
     model = expand_streams(backbone, 1).eval()
     idx = torch.randint(61, (2, L + 1))
     with torch.no_grad():
@@ -330,15 +329,14 @@ def test_expansion_copies_tables_cyclically_and_all_intra_keeps_the_final_stream
 
 def test_expansion_from_an_n1_backbone_checkpoint():
     torch.manual_seed(0)
-    backbone = Transformer(ModelConfig(vocab_size=61, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8,
-                                       n_experts=4, expert_hidden=16))
+    backbone = Transformer(tiny("moe", head_dim=8))
     model = expand_streams(backbone, 2, layout="IFI")
     assert model.cfg.n_streams == 2 and model.cfg.layout == "IFI"
     for t in model.tables:
         assert torch.equal(t.weight, backbone.wte.weight)
     for name, p in model.backbone.named_parameters():
         assert torch.equal(p, backbone.get_parameter(name))
-    other = Transformer(ModelConfig(vocab_size=61, n_layer=3, n_embd=48, n_head=6, n_kv_head=2, head_dim=8))
+    other = Transformer(tiny("moe", n_embd=48, head_dim=8))
     with pytest.raises(ValueError, match="n_embd"):
         from hd import load_backbone
         load_backbone(model, {k: v for k, v in other.state_dict().items() if not k.startswith("wte")}, other.cfg)
@@ -533,9 +531,7 @@ def test_cuda_forward_and_decode_step_never_wait_for_the_device(hd):
     feed-forward: the MoE's loop dispatch reads expert counts on the host by design."""
     torch.manual_seed(0)
     cfg = hd_cfg(n_streams=3, layout="IFI", n_experts=0)
-    model = (HiddenDecoding(cfg) if hd else Transformer(ModelConfig(**{f: getattr(cfg, f) for f in (
-        "vocab_size", "block_size", "n_layer", "n_embd", "n_head", "n_kv_head", "head_dim", "n_experts",
-        "ffn_hidden")}))).cuda().eval()
+    model = (HiddenDecoding(cfg) if hd else Transformer(tiny("moe", head_dim=8, ffn_hidden=48, n_experts=0))).cuda().eval()
     idx = torch.randint(61, (2, 8), device="cuda")
     caches = make_caches(model)
     with torch.no_grad():
@@ -554,13 +550,12 @@ def hd(head_dim=16, **kw):
 
 
 def tah_cfg(head_dim):
-    return TaHConfig(vocab_size=53, block_size=32, n_layer=1, n_embd=32, n_head=6, n_kv_head=2, head_dim=head_dim,
-                     n_experts=0, kv_mirror=False, logit_topk=16, attn_impl="flex")
+    return tiny("tah", vocab_size=53, n_layer=1, head_dim=head_dim, kv_mirror=False, attn_impl="flex")
 
 
 def equal_to_dense(model, idx, atol=1e-4):
     """model's loss and gradients against its twin on the dense reference path."""
-    ref = HiddenDecoding(HDConfig(**{**model.cfg.__dict__, "attn_impl": "dense"})).to(idx.device)
+    ref = HiddenDecoding(replace(model.cfg, attn_impl="dense")).to(idx.device)
     ref.load_state_dict(model.state_dict())
     (a, la), (b, lb) = model(idx[:, :-1], idx[:, 1:]), ref(idx[:, :-1], idx[:, 1:])
     torch.testing.assert_close(a, b, atol=atol, rtol=atol)
@@ -672,9 +667,8 @@ def test_a_block_mask_is_built_once_per_shape_and_reused_by_every_later_forward(
     for i in range(hd.MAX_BLOCK_MASKS):
         hd.block_mask(intra(2), ("I", 2, i), 8, 8, "cpu")
     assert len(hd.BLOCK_MASKS) == hd.MAX_BLOCK_MASKS and (("I", 2), 8, 8, "cpu") not in hd.BLOCK_MASKS
-    model = HiddenDecoding(HDConfig(vocab_size=61, block_size=16, n_layer=3, n_embd=32, n_head=2, n_kv_head=1,
-                                    head_dim=16, n_experts=0, ffn_hidden=32, n_streams=2, layout="IFL", window=3,
-                                    attn_impl="flex")).eval()
+    model = HiddenDecoding(tiny("hd", block_size=16, n_head=2, n_kv_head=1, n_experts=0, ffn_hidden=32,
+                                 attn_impl="flex")).eval()
     idx = torch.randint(61, (1, 6))
     built.clear()
     with torch.no_grad():

@@ -462,7 +462,7 @@ def test_loss_free_balancing_reduces_skew(update):
 
 def test_gradcheck_moe_dispatch():
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**F64, moe_dispatch="loop")).double()
+    model = Transformer(tiny("moe", **F64, moe_dispatch="loop")).double()
     idx, tgt = f64_batch(6)
     for name in ("blocks.1.ffn.w_gate_up", "blocks.1.ffn.w_down", "blocks.1.ffn.router.weight"):
         gradcheck_wrt(model, name, lambda m: m(idx, tgt)[1])
@@ -471,7 +471,7 @@ def test_gradcheck_moe_dispatch():
 def test_the_fast_gradcheck_fails_a_gradient_one_percent_off():
     """The check above can fail: the MoE's router gradient scaled by 1.01 on its way back."""
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**F64, moe_dispatch="loop")).double()
+    model = Transformer(tiny("moe", **F64, moe_dispatch="loop")).double()
     idx, tgt = f64_batch(6)
     name = "blocks.1.ffn.router.weight"
     w = dict(model.named_parameters())[name].detach().clone().requires_grad_(True)
@@ -495,7 +495,7 @@ def test_the_static_dispatches_keep_their_gradients_finite_in_float16_wherever_t
     for seed, scale in ((17, 50.0), (36, 50.0), (0, 20.0), (1, 20.0), (2, 550.0)):
         torch.manual_seed(seed)
         cfg = dict(n_embd=64, expert_hidden=64, n_experts=8, top_k=2)
-        models = {d: MoE(ModelConfig(**cfg, moe_dispatch=d)) for d in ("loop", dispatch)}
+        models = {d: MoE(tiny("moe", **cfg, moe_dispatch=d)) for d in ("loop", dispatch)}
         for w in (models["loop"].w_gate_up, models["loop"].w_down):  # as Transformer initializes them
             torch.nn.init.normal_(w, std=0.02)
         models[dispatch].load_state_dict(models["loop"].state_dict())
@@ -720,7 +720,7 @@ def test_too_long_input_raises():
 @pytest.mark.parametrize("n_experts", [0, 4])
 def test_a_float64_backbone_runs_in_float64_with_the_default_dispatch(n_experts):
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**{**F64, "n_experts": n_experts})).double()
+    model = Transformer(tiny("moe", **{**F64, "n_experts": n_experts})).double()
     idx, tgt = f64_batch(0)
     logits, loss = model(idx, tgt)
     assert logits.dtype == loss.dtype == torch.float64
@@ -900,10 +900,8 @@ def test_the_parameter_estimate_is_the_models_own_count(kind, n_layer, C, heads,
     (lambda: TaHConfig(max_depth=10**9), "needs ~"),
     (lambda: TaHConfig(lora_alpha=-1.0), "lora_alpha must be a finite number > 0"),
     (lambda: TaHConfig(lora_alpha=0), "lora_alpha must be a finite number > 0"),
-    (lambda: expand_streams(Transformer(ModelConfig(n_layer=3, n_embd=16, n_head=2, n_kv_head=1, head_dim=8,
-                                                    vocab_size=50)), 10**30), "n_streams must be an int in"),
-    (lambda: expand_streams(Transformer(ModelConfig(n_layer=3, n_embd=16, n_head=2, n_kv_head=1, head_dim=8,
-                                                    vocab_size=50)), 10**8), "needs ~"),
+    (lambda: expand_streams(Transformer(tiny("moe", n_embd=16, n_head=2, n_kv_head=1, head_dim=8)), 10**30), "n_streams must be an int in"),
+    (lambda: expand_streams(Transformer(tiny("moe", n_embd=16, n_head=2, n_kv_head=1, head_dim=8)), 10**8), "needs ~"),
 ])
 def test_sizes_that_cannot_fit_are_refused_in_one_line_before_anything_is_allocated(make, words):
     """Each refused at once (no allocation: the memory it names does not exist), in one line
@@ -919,7 +917,7 @@ def test_a_model_that_fits_alone_is_refused_when_jobs_processes_share_the_device
     """check_fits with `sharing` processes each holding the model: the device's memory is theirs
     together (train_tiny.py's --jobs on one GPU)."""
     import checks
-    cfg = ModelConfig(n_layer=3, n_embd=16, n_head=2, n_kv_head=1, head_dim=8, vocab_size=50, block_size=16)
+    cfg = tiny("moe", n_embd=16, n_head=2, n_kv_head=1, head_dim=8, vocab_size=50, block_size=16)
     need = 4 * (parameters(cfg) * 4 + checks.activations(cfg, 8, scores=True))
     monkeypatch.setattr(checks, "memory_limit", lambda device="cpu": 3 * need)
     checks.check_fits(cfg, 8, training=True, sharing=3)
@@ -928,8 +926,8 @@ def test_a_model_that_fits_alone_is_refused_when_jobs_processes_share_the_device
 
 
 def test_token_ids_on_the_meta_device_are_refused_before_the_forward():
-    model = Transformer(ModelConfig(vocab_size=16, block_size=8, n_layer=3, n_embd=16, n_head=2, n_kv_head=1,
-                                    head_dim=8, n_experts=2, top_k=1, expert_hidden=8))
+    model = Transformer(tiny("moe", vocab_size=16, block_size=8, n_embd=16, n_head=2, n_kv_head=1, head_dim=8,
+                             n_experts=2, top_k=1, expert_hidden=8))
     with pytest.raises(ValueError, match="idx is on the meta device"):
         model(torch.zeros(1, 4, dtype=torch.long, device="meta"))
 

@@ -349,6 +349,46 @@ def test_the_readability_checks_see_what_they_forbid(tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# The tests: one factory
+
+
+CONFIGS = {"ModelConfig", "HDConfig", "TaHConfig"}
+CONFIG_UNDER_TEST = {  # where a test file may call a config class itself: the factory, and the configs' own tests
+    ("conftest.py", "tiny"), ("test_moe.py", "test_the_parameter_estimate_is_the_models_own_count"),
+    ("test_moe.py", "test_sizes_that_cannot_fit_are_refused_in_one_line_before_anything_is_allocated")}
+
+
+def config_calls(src):
+    """{(top-level function or class, or "<module>"): how many direct calls of a config class
+    (ModelConfig(...), hd.HDConfig(...)) it holds, its decorators' included}."""
+    found = {}
+    for top in ast.parse(src).body:
+        name = top.name if isinstance(top, (ast.FunctionDef, ast.ClassDef)) else "<module>"
+        for node in ast.walk(top):
+            if isinstance(node, ast.Call) and (getattr(node.func, "id", None) in CONFIGS
+                                               or getattr(node.func, "attr", None) in CONFIGS):
+                found[name] = found.get(name, 0) + 1
+    return found
+
+
+def test_the_tests_build_their_configs_with_conftests_factory():
+    """Every test file builds its models' configs with conftest's tiny (or a helper on it); a
+    config class is called directly only by the factory and by the tests of the configs themselves
+    (the parameter estimate, the sizes refused): 14 calls there, 3 in the factory, none elsewhere."""
+    calls = {(f, where): n for f in ["conftest.py", *(name_of(p) for p in [*HERE.glob("test_*.py"),
+                                                                         *HERE.glob("lab/test_*.py")])]
+             for where, n in config_calls((HERE / f).read_text()).items()}
+    assert set(calls) == CONFIG_UNDER_TEST, set(calls) ^ CONFIG_UNDER_TEST
+    assert sum(n for (f, _), n in calls.items() if f != "conftest.py") == 14 and calls[("conftest.py", "tiny")] == 3
+
+
+def test_the_config_call_count_sees_each_form_of_call():
+    src = ("import hd\nX = ModelConfig()\n@pytest.mark.parametrize('c', [lambda: TaHConfig()])\n"
+           "def test_a(c):\n    hd.HDConfig(n_streams=2)\n    replace(c, n_layer=1)\n    ModelConfig.__doc__\n")
+    assert config_calls(src) == {"<module>": 1, "test_a": 2}
+
+
+# -----------------------------------------------------------------------------
 # Every script a user may run
 
 

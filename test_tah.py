@@ -17,7 +17,7 @@ import tah
 from conftest import COMPILE_TINY, F64, FAST, cuda, examples, f64_batch, gradcheck_wrt, tiny
 from generate import TaHCache, generate_tah, lora_merged
 from moe import LayerPlan
-from tah import LoRALinear, TaHConfig, ThinkAtHard, dense_batch_mask, duo_causal, oracle_depths, stage1_loss, stage2_loss
+from tah import LoRALinear, ThinkAtHard, dense_batch_mask, duo_causal, oracle_depths, stage1_loss, stage2_loss
 
 
 
@@ -452,7 +452,7 @@ def test_gradcheck_tah_gathered_depths():
 
 def tiny_tah(**kw):
     cfg = {k: v for k, v in COMPILE_TINY.items() if k != "window"}
-    return tah.ThinkAtHard(tah.TaHConfig(**{**cfg, "n_experts": 0, "ffn_hidden": 48, "logit_topk": 16, **kw}))
+    return tah.ThinkAtHard(tiny("tah", **{**cfg, "n_experts": 0, "ffn_hidden": 48, **kw}))
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
@@ -763,8 +763,8 @@ def test_bad_call_raises():
 
 @pytest.mark.parametrize("shape", [(8,), (1, 2, 3)])
 def test_an_idx_of_the_wrong_rank_is_refused_before_anything_unpacks_it(shape):
-    model = ThinkAtHard(TaHConfig(vocab_size=11, block_size=16, n_layer=1, n_embd=32, n_head=6, n_kv_head=2,
-                                  head_dim=8, n_experts=0, ffn_hidden=32, kv_mirror=False, logit_topk=5, lora_rank=4))
+    model = ThinkAtHard(tiny("tah", vocab_size=11, block_size=16, n_layer=1, head_dim=8, ffn_hidden=32, kv_mirror=False,
+                               logit_topk=5, lora_rank=4))
     with pytest.raises(ValueError, match=r"idx must have shape \(B, T\)"):
         model(torch.zeros(shape, dtype=torch.long))
 

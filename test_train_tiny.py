@@ -24,13 +24,13 @@ import tah_experiment
 import tasks
 import train_tiny as tt
 import trainer
-from conftest import SMOKE, examples, flags, patch_train, suite_ctx, suite_run, tiny_backbone
+from conftest import SMOKE, examples, flags, patch_train, suite_ctx, suite_run, tiny, tiny_backbone
 from experiment import attention_weights, recording_attention
-from hd import HDConfig, HiddenDecoding
+from hd import HiddenDecoding
 from hd_experiment import entropy, head_probes, reference_copy, stream_cosine, stream_mass, stream_states
 from lab import ablations, compute, files, tokens
 from lab.arith import Arith
-from tah import TaHConfig, ThinkAtHard
+from tah import ThinkAtHard
 from tah_experiment import OUTCOMES, iteration_outcomes, tah_trace
 from tasks import Lookups
 
@@ -664,9 +664,8 @@ def test_sample_refuses_what_is_no_results_of_a_trained_run_in_one_line(spoil, t
 
 
 def hd_model(n=2, layout="IFLI", **kw):
-    cfg = HDConfig(vocab_size=37, block_size=16, n_layer=len(layout), layout=layout, n_embd=32, n_head=4,
-                   n_kv_head=2, head_dim=8, n_experts=4, top_k=2, expert_hidden=16, ffn_hidden=32, n_streams=n,
-                   window=3, **kw)
+    cfg = tiny("hd", vocab_size=37, block_size=16, n_layer=len(layout), layout=layout, n_head=4, head_dim=8,
+               ffn_hidden=32, n_streams=n, **kw)
     return HiddenDecoding(cfg).eval()
 
 def identity_backbone(model):
@@ -812,8 +811,8 @@ def test_tah_trace_reads_the_forward_it_draws_and_its_attention_obeys_the_duo_ca
     weights sum to 1 over the keys and fall only on keys (j, k) with j <= i (TaH Eq. 5; k <= 1
     holds for every key of two passes)."""
     torch.manual_seed(n_layer)
-    cfg = TaHConfig(vocab_size=29, block_size=16, n_layer=n_layer, n_embd=32, n_head=4, n_kv_head=2, head_dim=8,
-                    n_experts=0, ffn_hidden=32, logit_topk=29, kv_mirror=n_layer >= 3)
+    cfg = tiny("tah", vocab_size=29, block_size=16, n_layer=n_layer, n_head=4, head_dim=8, ffn_hidden=32,
+               logit_topk=29, kv_mirror=n_layer >= 3)
     model = ThinkAtHard(cfg).eval()
     with torch.no_grad():
         model.decider.mlp[-1].bias.fill_(3.0)  # sigmoid(score) > 0.9 for most tokens: a second pass to read

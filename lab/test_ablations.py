@@ -19,8 +19,8 @@ import tah_experiment
 import tasks
 import train_tiny as tt
 import trainer
-from conftest import examples, patch_train, suite_ctx, suite_run
-from hd import HDConfig, HiddenDecoding, expand_streams
+from conftest import examples, patch_train, suite_ctx, suite_run, tiny
+from hd import HiddenDecoding, expand_streams
 from lab import ablations, tokens
 from tah import ThinkAtHard
 from tasks import Lookups
@@ -109,8 +109,7 @@ def test_progressive_expansion_chain_keeps_the_function_at_each_stage():
     """1 -> 2 -> 4 (HD §2.3): where expansion is exactly function-preserving (intra-stream layers,
     every stream of a token at its position), each stage starts with its predecessor's logits."""
     torch.manual_seed(0)
-    cfg = HDConfig(vocab_size=61, block_size=16, n_layer=3, n_embd=32, n_head=6, n_kv_head=2, head_dim=8,
-                      n_experts=4, expert_hidden=16, layout="III", positions="token", n_streams=1)
+    cfg = tiny("hd", block_size=16, head_dim=8, layout="III", positions="token", n_streams=1)
     one = HiddenDecoding(cfg).eval()
     two = expand_streams(one, 2)
     with torch.no_grad():

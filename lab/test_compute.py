@@ -16,7 +16,7 @@ from hypothesis import given, strategies as st
 
 import experiment
 from conftest import tiny
-from hd import HDConfig, HiddenDecoding, expand_streams, layer_mask
+from hd import HiddenDecoding, expand_streams, layer_mask
 from lab import compute, flops
 from moe import Transformer, dense_mask
 from tah import ThinkAtHard
@@ -325,8 +325,8 @@ def test_flops_refuse_what_they_cannot_count_in_one_line_at_once():
         with pytest.raises(ValueError, match=r"passes must be in \[1, 2\], or a whole number up to max_depth 2"):
             flops.per_token(tah, 8, passes)
     assert flops.per_token(tah, 8, 1.5) > flops.per_token(tah, 8, 1)
-    odd = HDConfig(vocab_size=8, block_size=8, n_layer=1, n_embd=8, n_head=1, n_kv_head=1, head_dim=8, n_experts=0,
-                   ffn_hidden=8, layout="F", kv_mirror=False)
+    odd = tiny("hd", vocab_size=8, block_size=8, n_layer=1, n_embd=8, n_head=1, n_kv_head=1, head_dim=8,
+               n_experts=0, ffn_hidden=8, layout="F", kv_mirror=False)
     object.__setattr__(odd, "layout", "X")  # past the config's own check: the count still refuses it
     with pytest.raises(ValueError, match="layout letter 'X' is none of F, L, I"):
         flops.pairs(odd, 0, 2, 4, False)

@@ -32,10 +32,8 @@ import tah
 import train_tiny as tt
 import trainer
 from conftest import HERE, SMOKE, examples, flags, patch_train, tiny_backbone
-from hd import HDConfig, HiddenDecoding
-from lab import files, flops, runner, tokens
+from lab import files, runner
 from lab.arith import Arith
-from moe import ModelConfig, Transformer
 from tah import ThinkAtHard
 
 
