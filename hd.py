@@ -163,6 +163,12 @@ def layer_mask(cfg, i):
     return letter(cfg.layout[i]).mask(cfg.n_streams, cfg.window, cfg.shared_kv)
 
 
+def streams_apart(cfg, i):
+    """Whether layer i's queries read their own stream's keys alone (M^intra with each stream's own
+    K/V): its n streams are then n causal sequences of their own (HD §3.2)."""
+    return cfg.layout[i] == "I" and not cfg.shared_kv
+
+
 def on_final_rows(mask_mod, n):
     """The same mask with query row r standing for expanded index r*n + n-1 (final stream)."""
     def final_rows_mask(b, h, q_idx, kv_idx):
@@ -182,23 +188,15 @@ def final_stream(x, n, dim=1):
 @dataclass
 class StreamPlan(LayerPlan):
     """moe.LayerPlan for n streams: `enter_skip` keeps only the final-stream rows from this block
-    on (the KV-mirror skip); `fold` runs each stream as a batch row of its own (an intra-stream
-    layer); `kv_final` takes the keys from the final stream's own rows of the source state."""
+    on (the KV-mirror skip); `kv_pos`: the keys' positions where they are not the queries' (under
+    the skip the keys still come from every row of the source state)."""
     n: int = 1
     enter_skip: bool = False
     kv_pos: object = None
-    fold: bool = False
-    kv_final: bool = False
 
     def run(self, block, x, kv_u):
-        n = self.n
         if self.enter_skip:
-            x = final_stream(x, n)
-        if self.fold:
-            x_f, u_f = block(fold(x, n), self.pos, self.mask, kv_u=None if kv_u is None else fold(kv_u, n),
-                             cache=self.cache)
-            return unfold(x_f, n), unfold(u_f, n)
-        kv_u = final_stream(kv_u, n) if self.kv_final else kv_u
+            x = final_stream(x, self.n)
         return block(x, self.pos, self.mask, kv_u=kv_u, kv_pos=self.kv_pos, cache=self.cache)
 
 
@@ -206,17 +204,17 @@ class Rows:
     """One forward's rows as every layer's plan reads them, made once: the new rows' expanded
     indices t (after `start` cached tokens), the indices keys may come from (t_kv: every row so far,
     or the `keys` tokens a static cache returns whole, moe.cache_start), and the RoPE positions of
-    every row, of the final-stream rows and of the streams folded into batch rows (moe.Positions:
-    each table computed once)."""
+    every row and of the final-stream rows (moe.Positions: each table computed once; the fast
+    paths add the streams' as batch rows, fold_pos, at the first layer that runs them apart)."""
 
     def __init__(self, cfg, B, L, start, keys, device):
         n = cfg.n_streams
         self.B, self.L, self.start, self.keys = B, L, start, keys
         self.t = start * n + torch.arange(L * n, device=device)
         self.t_kv = torch.arange((start + L if keys is None else keys) * n, device=device)
-        pos = self.t if cfg.positions == "expanded" else self.t // n
-        self.pos, self.final_pos = Positions(pos), Positions(final_stream(pos, n, 0))
-        self.fold_pos = Positions(fold(pos.expand(B, -1), n))
+        self.ids = self.t if cfg.positions == "expanded" else self.t // n  # each row's RoPE position
+        self.pos, self.final_pos = Positions(self.ids), Positions(final_stream(self.ids, n, 0))
+        self.fold_pos = None
 
 
 class HiddenDecoding(nn.Module):
@@ -245,11 +243,11 @@ class HiddenDecoding(nn.Module):
         return letter(self.cfg.layout[i]).reach(self.cfg.window)
 
     def kv_rows_per_token(self, i):
-        """K/V rows layer i keeps per token in cached decoding: 1 where it attends within one
-        stream (folded: the streams are batch rows; or the final stream alone), else n."""
-        skip = self.mirror_skip_from()
-        folded = attention_path(self.cfg, i, skip is not None and i >= skip, None, cached=True) == "fold"
-        return 1 if folded else self.cfg.n_streams
+        """K/V rows layer i's cache keeps per token (per batch row of the cache): the token's n
+        stream rows; or one where the layer's streams run apart (streams_apart) and attn_impl "fast"
+        runs them as batch rows of their own (each stream's row, or under the skip the final
+        stream's alone: no query reads another's)."""
+        return 1 if self.cfg.attn_impl == "fast" and streams_apart(self.cfg, i) else self.cfg.n_streams
 
     def hidden(self, idx, caches=None):
         """Final residual states: (B, L*n, C), or (B, L, C) final-stream rows under the skip."""
@@ -269,13 +267,13 @@ class HiddenDecoding(nn.Module):
 
     def layer_plan(self, i, rows, cache):
         """How block i runs (moe.LayerPlan): its letter's mask (layer_mask) as a dense matrix over
-        the rows its queries and keys are, the reference; or the same by a faster path
-        (attention_path, fast_plan: with the fast paths at the end of the file)."""
+        the rows its queries and keys are, the reference; or the same by a faster path where one
+        serves (fast_plan: the fast paths are at the end of the file)."""
         cfg, n, skip = self.cfg, self.cfg.n_streams, self.mirror_skip_from()
         final_only = skip is not None and i >= skip  # queries: the final-stream rows only
-        path = attention_path(cfg, i, final_only, rows.t.device, cached=cache is not None)
-        if path != "dense":
-            return fast_plan(self, i, rows, cache, path, final_only)
+        fast = fast_plan(self, i, rows, cache, final_only)
+        if fast is not None:
+            return fast
         q_t = final_stream(rows.t, n, 0) if final_only else rows.t
         reach = self.kv_window(i) if cache is not None and rows.keys is None else None  # a cached L layer's
         t_kv = rows.t_kv if reach is None else rows.t_kv[max(0, rows.start * n - reach + 1):]  # window of rows
@@ -401,15 +399,39 @@ def block_mask(mask_mod, key, Tq, Tk, device):
     return BLOCK_MASKS[full_key]
 
 
-def fast_plan(model, i, rows, cache, path, final_only):
-    """layer_plan by a fast path: "fold" (each stream a causal sequence of its own, new rows after
-    `start` cached), "causal" (SDPA's causal kernel) or "block" (a flex BlockMask of the same mask)."""
+@dataclass
+class FoldPlan(StreamPlan):
+    """The plan of a layer whose streams run apart (streams_apart), on the fast path: each stream
+    folded into a batch row of its own; or, `final_only` (under the skip), the final stream alone,
+    its keys from the final stream's own rows of the source state."""
+    final_only: bool = False
+
+    def run(self, block, x, kv_u):
+        n = self.n
+        if self.enter_skip:
+            x = final_stream(x, n)
+        if self.final_only:
+            return block(x, self.pos, self.mask, kv_u=final_stream(kv_u, n), kv_pos=self.kv_pos, cache=self.cache)
+        x_f, u_f = block(fold(x, n), self.pos, self.mask, kv_u=None if kv_u is None else fold(kv_u, n),
+                         cache=self.cache)
+        return unfold(x_f, n), unfold(u_f, n)
+
+
+def fast_plan(model, i, rows, cache, final_only):
+    """layer_plan by the path attention_path chooses, or None for "dense" (the reference): "fold"
+    (each stream a causal sequence of its own, new rows after `start` cached), "causal" (SDPA's
+    causal kernel) or "block" (a flex BlockMask of the same mask)."""
     cfg, n, dev, enter_skip = model.cfg, model.cfg.n_streams, rows.t.device, i == model.mirror_skip_from()
+    path = attention_path(cfg, i, final_only, dev, cached=cache is not None)
+    if path == "dense":
+        return None
     if path == "fold":
         mask = causal_after(rows.start, rows.L, dev, rows.keys)
         if final_only:  # the final stream alone, its K/V from its own rows of the source state
-            return StreamPlan(rows.final_pos, mask, cache, n, enter_skip, kv_pos=rows.final_pos, kv_final=True)
-        return StreamPlan(rows.fold_pos, mask, cache, n, enter_skip, fold=True)
+            return FoldPlan(rows.final_pos, mask, cache, n, enter_skip, kv_pos=rows.final_pos, final_only=True)
+        if rows.fold_pos is None:  # the streams as batch rows: their RoPE tables, once per forward
+            rows.fold_pos = Positions(fold(rows.ids.expand(rows.B, -1), n))
+        return FoldPlan(rows.fold_pos, mask, cache, n, enter_skip)
     mod = layer_mask(cfg, i)
     if path == "causal":
         mask = "causal"
@@ -437,7 +459,7 @@ def attention_path(cfg, i, final_only, device, cached=False):
     final stream alone, and F is no longer square, so not "causal"."""
     if cfg.attn_impl != "fast":
         return "block" if cfg.attn_impl == "flex" and not cached else "dense"
-    if cfg.layout[i] == "I" and not cfg.shared_kv:
+    if streams_apart(cfg, i):
         return "fold"
     if cfg.layout[i] == "F" and not cached and not final_only:
         return "causal"

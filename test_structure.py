@@ -302,6 +302,47 @@ def test_on_the_readers_path_no_function_is_over_60_lines_and_no_class_over_100(
     assert long == []
 
 
+def fast_paths(path):
+    """The top-level names a method file defines in its fast-paths section (from its "# The fast
+    paths" header to the next section's rule), and the line the section starts at."""
+    src = (HERE / path).read_text()
+    text = src.splitlines()
+    start = next(i for i, line in enumerate(text, 1) if line.startswith("# The fast paths"))
+    end = next((i for i, line in enumerate(text, 1) if i > start and line.startswith("# ----")), len(text) + 1)
+    names = set()
+    for node in ast.parse(src).body:
+        if start < node.lineno < end and isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif start < node.lineno < end and isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names, start
+
+
+def names_used(node):
+    return [n.id for n in ast.walk(node) if isinstance(n, ast.Name)]
+
+
+def test_each_method_states_its_paper_before_its_fast_paths():
+    """hd.py's model (StreamPlan, Rows, HiddenDecoding) plans a layer by its letter's mask and
+    caches rows by the paper's rule: of its fast paths' names (the choice of fold, causal, block or
+    dense and their vocabulary, after the model) it calls fast_plan alone, once, the hand-off.
+    tah.py's ThinkAtHard holds the paper in at most 110 lines, its fast paths after it, the
+    file's last section but the demo's drawing."""
+    hd_fast, hd_start = fast_paths("hd.py")
+    assert {"fold", "unfold", "attention_path", "fast_plan", "FoldPlan", "block_mask"} <= hd_fast
+    tree = {n.name: n for n in ast.parse((HERE / "hd.py").read_text()).body if isinstance(n, ast.ClassDef)}
+    used = [name for cls in ("StreamPlan", "Rows", "HiddenDecoding") for name in names_used(tree[cls])
+            if name in hd_fast]
+    assert used == ["fast_plan"] and tree["HiddenDecoding"].end_lineno < hd_start
+    tah_fast, tah_start = fast_paths("tah.py")
+    assert {"pass_runner", "COMPILED_PASS", "pass_mask", "select", "topk_weights"} <= tah_fast
+    model = next(d for d in definitions("tah.py") if d.name == "ThinkAtHard")
+    assert model.end_lineno - model.lineno + 1 <= 110 and model.end_lineno < tah_start
+    last = [n.name for n in ast.parse((HERE / "tah.py").read_text()).body if n.lineno > tah_start
+            and isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name not in tah_fast]
+    assert last == ["draw"], last
+
+
 def required_positional(node):
     """A class's constructor's required positional parameters: its __init__'s, or a dataclass's or
     NamedTuple's fields without a default before KW_ONLY (unless kw_only=True)."""
