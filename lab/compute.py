@@ -483,11 +483,24 @@ def ways(ns):
             "parallel copies (ParScale)": [N1] + [parscale_arm(k) for k in ns[1:]]}
 
 
+# where each way's tags sit from its points, in the legend's order: HD to the left below, more steps
+# to the right, the loop to the left above, ParScale to the right below, so that arms at like FLOPs
+# and loss stay apart
+TAG_PLACES = (dict(xytext=(-6, -11), ha="right"), dict(xytext=(6, -2), ha="left"),
+              dict(xytext=(-5, 5), ha="right"), dict(xytext=(5, -11), ha="left"))
+
+
+def tag(label):
+    """An arm's short tag, in its way's colour: the last word of its label that holds a number
+    ("n=2 continued" -> n=2, "... 1.5x the steps" -> 1.5x, "n=1 looped x4" -> x4, "ParScale P=2" -> P=2)."""
+    return [w for w in label.split(" (")[0].split() if any(c.isdigit() for c in w)][-1]
+
+
 def plot(summary, out_dir, ns):
     """What HD's compute buys (lab/compute.py), one panel a regime (early; late, where it ran): each
     arm's held-out loss minus the n = 1 control's, paired by seed, with its 95% interval (t over
     the seeds), against the arm's continuation FLOPs as run; each way of spending compute a line
-    from the control (0 at its FLOPs), its arms' labels set apart by way."""
+    from the control (0 at its FLOPs), its arms tagged in its colour, each way's tags on a side of their own."""
     plt = figures.pyplot()
     regimes = [(e, title) for e, title in ((HD_COMPUTE, "early: from the n = 1 backbone"),
                                            (LATE, f"late: after {max(STEPS):g}x the steps more"))
@@ -509,13 +522,13 @@ def plot(summary, out_dir, ns):
             deltas = [[pts[a]["loss"][k] - control[k] for k in control if k in pts[a]["loss"]] for a in have]
             y = [np.mean(d) for d in deltas]
             half = [0.0 if len(d) < 2 else (interval95(d)[1] - interval95(d)[0]) / 2 for d in deltas]
-            ax.errorbar(x, y, yerr=half, fmt="o-", ms=4, capsize=3, lw=1.2, label=way)
+            color, place = f"C{i}", TAG_PLACES[i % len(TAG_PLACES)]  # a way's colour the same in every panel
+            ax.errorbar(x, y, yerr=half, fmt="o-", ms=4, capsize=3, lw=1.2, color=color, label=way)
             for a, xi, yi in zip(have, x, y):
                 if a != N1.label:  # the control's label once, below
-                    ax.annotate(a.split(" (")[0], (xi, yi), fontsize=6, xytext=(5, 6 - 9 * (i % 4)),
-                                textcoords="offset points")
-        ax.annotate("n=1 continued (control)", (np.mean(list(pts[N1.label][FLOPS].values())), 0), fontsize=6,
-                    xytext=(5, -14), textcoords="offset points")
+                    ax.annotate(tag(a), (xi, yi), fontsize=7, color=color, textcoords="offset points", **place)
+        ax.annotate("control", (np.mean(list(pts[N1.label][FLOPS].values())), 0), fontsize=7,
+                    xytext=(-6, -12), ha="right", textcoords="offset points")
         ax.axhline(0, color="0.6", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("continuation training FLOPs as run (log 2; lab/flops.py)")

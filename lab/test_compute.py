@@ -424,6 +424,10 @@ def test_the_figure_plots_each_arms_paired_difference_from_the_control_against_i
     x, y, yerr = drawn["looping, gated (recurrent depth)"]
     d = [0.1, 0.11, 0.12]
     assert y[1] == pytest.approx(0.11) and yerr[1] == pytest.approx((report.interval95(d)[1] - report.interval95(d)[0]) / 2)
+    tags = {t.get_text(): t.get_color() for t in ax.texts}  # each arm tagged in its way's colour
+    assert tags == {"n=2": "C0", "2x": "C1", "x2": "C2", "control": "black"}, tags
+    assert [compute.tag(a.label) for a in (compute.steps_arm(0.5), compute.looped_arm(4), compute.parscale_arm(2))] == [
+        "0.5x", "x4", "P=2"]
 
 
 def test_every_arm_of_the_suite_trains_compiled(tmp_path, monkeypatch):
