@@ -326,13 +326,13 @@ def effective_compute(curve, loss, spent, bound=False):
 # Each way's learning rates: one search for every way, on the dev split (--suite hd-compute-lr)
 
 
-LR_GRID = (0.5, 1, 2, 4)  # the continuation's peak rate, x the preset's (--hd_cont_lr)
-NEW_GRID = (1, 10, 30)  # the rate of the parameters a way adds to the n = 1 model, x the way's rate
+LR_GRID = (1, 2, 4, 8)  # the continuation's peak rate, x the preset's (--hd_cont_lr)
+NEW_GRID = (1, 10, 30, 100)  # the rate of the parameters a way adds to the n = 1 model, x the way's rate
 # The rates each way runs at, (x --hd_cont_lr, x that for the parameters it adds), as --suite hd-compute-lr
 # chose them on the dev split (search_choice; RESULTS, "What HD's compute buys"), fixed before the test split
 # was read. The steps arms run at the control's.
-RATES = {"n1": (4, 1), "n2": (4, 30), "n4": (4, 30), "looped2": (4, 1), "looped4": (4, 1), "parscale2": (4, 10),
-         "parscale4": (4, 10)}  # `--suite hd-compute-lr --seeds 2` (1,183 s): every way at the top of LR_GRID
+RATES = {"n1": (4, 1), "n2": (4, 30), "n4": (4, 30), "looped2": (4, 1), "looped4": (4, 1), "parscale2": (4, 1),
+         "parscale4": (4, 1)}  # `--suite hd-compute-lr --seeds 2` (1,384 s): every choice inside both grids
 
 
 def way_of(arm):
